@@ -1,0 +1,169 @@
+"""Turn-taking state machine of the matching game: message / propose / accept / reject.
+
+``Game.step(seat, text)`` never raises on bad text: an invalid action is reported back to the
+acting seat as an error observation, does not consume the turn, and is counted; too many actions
+or too many consecutive invalid actions end the game with reward 0 and their own outcome.
+Seats are 0 (player-1, moves first) and 1 (player-2).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from selfplay.game.matching import Pairs, ProposalError, Scenario, parse_proposal
+
+
+class Outcome(StrEnum):
+    ACCEPTED = "accepted"  # a full proposal was accepted: shared reward score / best
+    MAX_ACTIONS = "max_actions"  # action budget spent without agreement: reward 0
+    INVALID = "invalid"  # too many consecutive invalid actions by one seat: reward 0
+    ERROR = "error"  # a player or engine failed (set by the runner, never by the rules): reward 0
+
+
+class GameOverError(RuntimeError):
+    """step() was called on a finished game or by the seat whose turn it is not (a caller bug)."""
+
+
+ERR_EMPTY = "Cannot send empty message."
+ERR_PENDING = "A proposal was made. You must first accept or reject it."
+ERR_NOTHING_PENDING = (
+    "You can only [accept] or [reject] when your partner sends a full proposal. "
+    "Send a [message] or a [propose] instead."
+)
+ERR_FORMAT = (
+    "Your output must start with one of the tags [message], [propose], [accept] or [reject]."
+)
+REJECTED_YOUR_TURN = "You rejected the proposal. It is still your turn."
+PROPOSAL_CHOICES = "You can output one of these choices: [accept] or [reject]"
+
+_TAG = re.compile(r"^\s*\[(message|propose|accept|reject)\]", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One attempted action, valid or not, as it goes into the game record."""
+
+    seat: int
+    text: str
+    kind: str  # message | propose | accept | reject | invalid
+    valid: bool
+    error: str | None = None
+    proposal: Pairs | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What each seat observes after one step (as plain text lines), and whether the game ended."""
+
+    observations: tuple[list[str], list[str]]
+    done: bool
+    outcome: Outcome | None
+    action: Action
+
+
+@dataclass
+class Game:
+    """Rules and state of one game on one scenario. Deterministic: no randomness inside."""
+
+    scenario: Scenario
+    max_actions: int = 30
+    max_invalid: int = 3
+    turn: int = 0
+    pending: Pairs | None = None
+    pending_from: int | None = None
+    actions: list[Action] = field(default_factory=list)
+    consecutive_invalid: int = 0
+    outcome: Outcome | None = None
+    final_proposal: Pairs | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_actions < 1:
+            raise ValueError(f"max_actions must be at least 1, got {self.max_actions}")
+        if self.max_invalid < 1:
+            raise ValueError(f"max_invalid must be at least 1, got {self.max_invalid}")
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def score(self) -> int:
+        if self.outcome is Outcome.ACCEPTED and self.final_proposal is not None:
+            return self.scenario.score(self.final_proposal)
+        return 0
+
+    @property
+    def reward(self) -> float:
+        """Shared normalised reward score / best, in [0, 1]; 0 without agreement."""
+        return self.score / self.scenario.best if self.scenario.best > 0 else 0.0
+
+    def fail(self, reason: Outcome = Outcome.ERROR) -> None:
+        """End the game from outside the rules (engine failure, timeout): reward 0."""
+        if not self.done:
+            self.outcome = reason
+
+    def step(self, seat: int, text: str) -> StepResult:
+        if self.done:
+            raise GameOverError(f"game already over ({self.outcome})")
+        if seat != self.turn:
+            raise GameOverError(f"seat {seat} moved but it is seat {self.turn}'s turn")
+        action = self._interpret(seat, text)
+        self.actions.append(action)
+        obs: tuple[list[str], list[str]] = ([], [])
+        partner = 1 - seat
+        if not action.valid:
+            self.consecutive_invalid += 1
+            obs[seat].append(f"Error: {action.error}")
+            if self.consecutive_invalid >= self.max_invalid:
+                self.outcome = Outcome.INVALID
+        else:
+            self.consecutive_invalid = 0
+            body = action.text.strip()
+            match action.kind:
+                case "message":
+                    obs[partner].append(f"Partner: {body}")
+                    self.turn = partner
+                case "propose":
+                    self.pending, self.pending_from = action.proposal, seat
+                    obs[partner].append(f"Partner: {body}\n{PROPOSAL_CHOICES}")
+                    self.turn = partner
+                case "accept":
+                    obs[partner].append("Partner: [accept]")
+                    self.final_proposal = self.pending
+                    self.outcome = Outcome.ACCEPTED
+                case "reject":
+                    obs[partner].append("Partner: [reject]")
+                    self.pending = self.pending_from = None
+                    obs[seat].append(REJECTED_YOUR_TURN)  # the rejecting seat keeps the turn
+        if not self.done and len(self.actions) >= self.max_actions:
+            self.outcome = Outcome.MAX_ACTIONS
+        return StepResult(obs, self.done, self.outcome, action)
+
+    def _interpret(self, seat: int, text: str) -> Action:
+        def invalid(kind: str, error: str) -> Action:
+            return Action(seat, text, kind, False, error)
+
+        m = _TAG.match(text)
+        if m is None:
+            return invalid("invalid", ERR_FORMAT)
+        kind = m.group(1).lower()
+        rest = text[m.end() :].strip()
+        if self.pending is not None and kind not in ("accept", "reject"):
+            return invalid(kind, ERR_PENDING)
+        match kind:
+            case "message":
+                if not rest:
+                    return invalid(kind, ERR_EMPTY)
+                return Action(seat, text, kind, True)
+            case "propose":
+                try:
+                    pairs = parse_proposal(rest, self.scenario.n)
+                except ProposalError as e:
+                    return invalid(kind, str(e))
+                return Action(seat, text, kind, True, proposal=pairs)
+            case _:  # accept / reject
+                if self.pending is None:
+                    return invalid(kind, ERR_NOTHING_PENDING)
+                return Action(seat, text, kind, True)

