@@ -284,7 +284,7 @@ def _norm(name: str) -> str:
 
 
 @cache
-def _name_tables(n: int) -> tuple[dict[str, int], dict[str, int]]:
+def _name_tables(n: int, roster: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
     papers: dict[str, int] = {}
     for i, title in enumerate(PAPERS[:n]):
         papers[_norm(title)] = i
@@ -292,7 +292,7 @@ def _name_tables(n: int) -> tuple[dict[str, int], dict[str, int]]:
     for title, i in _PAPER_ALIASES.items():
         if i < n:
             papers[_norm(title)] = i
-    reviewers = {_norm(r): i for i, r in enumerate(REVIEWERS[:n])}
+    reviewers = {_norm(r): i for i, r in enumerate(roster[:n])}
     return papers, reviewers
 
 
@@ -311,8 +311,10 @@ def proposal_lines(text: str) -> list[str]:
     return lines
 
 
-def parse_proposal(text: str, n: int = 8) -> Pairs:
+def parse_proposal(text: str, n: int = 8, *, roster: tuple[str, ...] = REVIEWERS) -> Pairs:
     """Parse "Proposal:" followed by one "Paper: Reviewer" line per paper into sorted pairs.
+
+    ``roster`` is the reviewer list in table order (one human game used a different one).
 
     Raises ProposalError naming the problem: missing header, wrong line count, malformed line,
     unknown paper or reviewer, a paper or reviewer used twice, a missing paper.
@@ -327,7 +329,7 @@ def parse_proposal(text: str, n: int = 8) -> Pairs:
     body = ([rest] if rest else []) + lines[1:]
     if len(body) != n:
         raise ProposalError(f"{count_error} Found {len(body)} lines.")
-    papers, reviewers = _name_tables(n)
+    papers, reviewers = _name_tables(n, tuple(roster))
     by_paper: dict[int, int] = {}
     used: dict[int, int] = {}
     for line in body:
@@ -346,7 +348,7 @@ def parse_proposal(text: str, n: int = 8) -> Pairs:
         if p in by_paper:
             raise ProposalError(f"Paper {PAPERS_SHORT[p]} is assigned twice.")
         if r in used:
-            raise ProposalError(f"Reviewer {REVIEWERS[r]} is assigned to two papers.")
+            raise ProposalError(f"Reviewer {roster[r]} is assigned to two papers.")
         by_paper[p] = r
         used[r] = p
     return sorted((r, p) for p, r in by_paper.items())

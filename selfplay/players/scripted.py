@@ -1,0 +1,281 @@
+"""Scripted players: baselines for evaluation and fixed partners for training.
+
+Each sees exactly what an LLM seat sees (its own scaled table and the partner's turns as text) and
+plays a fixed policy:
+
+- ``cooperative``: shares all its known values in [message] turns, then proposes the best
+  assignment under the merged knowledge; accepts a proposal worth at least ``accept_fraction`` of
+  its own best estimate.
+- ``no-talk``: immediately proposes its own solo optimum; accepts anything.
+- ``shy``: never volunteers; answers only a direct question naming one reviewer and one paper with
+  its own scaled value; judges proposals honestly by its own view.
+- ``random``: proposes a random valid assignment; accepts or rejects at random.
+
+Partner values come in the partner's scale: the cooperative player estimates the ratio of the
+two scales from cells both know (or from the means when none overlap) before merging.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import numpy as np
+
+from selfplay.game.matching import (
+    PAPERS_SHORT,
+    REVIEWERS,
+    Pairs,
+    ProposalError,
+    Scenario,
+    best_assignment,
+    format_proposal,
+    parse_proposal,
+)
+from selfplay.records import SeatConfig, SeatTokens
+
+ScriptedName = Literal["cooperative", "no-talk", "shy", "random"]
+SCRIPTED_NAMES: tuple[str, ...] = ("cooperative", "no-talk", "shy", "random")
+
+_PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
+_CHOICES = "You can output one of these choices"
+_VALUE_ITEM = re.compile(r"(\w+) (\d+)")
+
+
+def partner_events(observation: str) -> list[tuple[str, str]]:
+    """The partner's actions in an observation, as (kind, body) in order."""
+    marks = list(_PARTNER.finditer(observation))
+    events = []
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(observation)
+        body = observation[m.end() : end]
+        if _CHOICES in body:
+            body = body[: body.index(_CHOICES)]
+        events.append((m.group(1).lower(), body.strip()))
+    return events
+
+
+def format_values(view: list[list[int | None]], rows: range) -> str:
+    """'Ava Li: BLEU 320, GloVe 122; Daniel Nguyen: Electra 45' for the known cells of ``rows``."""
+    parts = []
+    for r in rows:
+        items = [f"{PAPERS_SHORT[p]} {v}" for p, v in enumerate(view[r]) if v is not None]
+        if items:
+            parts.append(f"{REVIEWERS[r]}: {', '.join(items)}")
+    return "; ".join(parts)
+
+
+def parse_values(text: str, n: int) -> dict[tuple[int, int], int]:
+    """Inverse of format_values: {(reviewer, paper): value} for every item found in ``text``."""
+    short = {s.casefold(): i for i, s in enumerate(PAPERS_SHORT[:n])}
+    found: dict[tuple[int, int], int] = {}
+    for segment in text.split(";"):
+        name, _, items = segment.partition(":")
+        name = name.strip()
+        if name not in REVIEWERS[:n]:
+            continue
+        r = REVIEWERS.index(name)
+        for paper, value in _VALUE_ITEM.findall(items):
+            p = short.get(paper.casefold())
+            if p is not None:
+                found[(r, p)] = int(value)
+    return found
+
+
+def _expected(view: list[list[int | None]]) -> np.ndarray:
+    """Own-view value table with unknown cells at the mean known value (the game's 50, scaled)."""
+    arr = np.array([[np.nan if v is None else v for v in row] for row in view], dtype=float)
+    fill = np.nanmean(arr) if np.isfinite(arr).any() else 0.0
+    return np.where(np.isnan(arr), fill, arr)
+
+
+def _value(table: np.ndarray, pairs: Pairs) -> float:
+    return float(sum(table[r, p] for r, p in pairs))
+
+
+class ScriptedPlayer:
+    """Shared bookkeeping: the seat's view, its RNG, the partner's pending proposal."""
+
+    name: str = "scripted"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0) -> None:
+        self.scenario = scenario
+        self.seat = seat
+        self.n = scenario.n
+        self.view = scenario.view(seat)
+        self.rng = np.random.default_rng(seed)
+        self.config = SeatConfig(kind="scripted", name=self.name)
+        self.pending: Pairs | None = None
+
+    def tokens(self) -> SeatTokens | None:
+        return None
+
+    async def act(self, observation: str) -> str:
+        events = partner_events(observation)
+        self.pending = None
+        for kind, body in events:
+            if kind == "propose":
+                try:
+                    self.pending = parse_proposal(body, self.n)
+                except ProposalError:
+                    self.pending = None
+            self.observe(kind, body)
+        return self.decide()
+
+    def observe(self, kind: str, body: str) -> None:
+        """Hook: a partner action seen this turn."""
+
+    def decide(self) -> str:
+        raise NotImplementedError
+
+    def propose(self, pairs: Pairs) -> str:
+        return "[propose] " + format_proposal(pairs, self.n)
+
+
+class Cooperative(ScriptedPlayer):
+    name = "cooperative"
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        seat: int,
+        seed: int = 0,
+        *,
+        accept_fraction: float = 0.9,
+        rows_per_message: int = 8,
+    ) -> None:
+        super().__init__(scenario, seat, seed)
+        self.accept_fraction = accept_fraction
+        self.rows_per_message = rows_per_message
+        self.next_row = 0
+        self.partner_values: dict[tuple[int, int], int] = {}
+        self.partner_spoke = False
+
+    def observe(self, kind: str, body: str) -> None:
+        if kind == "message":
+            self.partner_spoke = True
+            self.partner_values.update(parse_values(body, self.n))
+
+    def merged(self) -> np.ndarray:
+        """Own view plus the partner's values converted to this seat's scale."""
+        own = np.array(
+            [[np.nan if v is None else v for v in row] for row in self.view], dtype=float
+        )
+        theirs = np.full_like(own, np.nan)
+        for (r, p), v in self.partner_values.items():
+            theirs[r, p] = v
+        both = np.isfinite(own) & np.isfinite(theirs) & (own > 0)
+        if both.any():
+            ratio = float(np.median(theirs[both] / own[both]))
+        elif np.isfinite(own).any() and np.isfinite(theirs).any():
+            ratio = float(np.nanmean(theirs) / max(np.nanmean(own), 1e-9))
+        else:
+            ratio = 1.0
+        merged = np.where(np.isfinite(own), own, theirs / max(ratio, 1e-9))
+        fill = np.nanmean(merged) if np.isfinite(merged).any() else 0.0
+        return np.where(np.isnan(merged), fill, merged)
+
+    def decide(self) -> str:
+        if self.next_row < self.n:
+            rows = range(self.next_row, min(self.n, self.next_row + self.rows_per_message))
+            self.next_row = rows.stop
+            text = format_values(self.view, rows)
+            return "[message] " + (f"My known scores: {text}" if text else "I know no scores here.")
+        estimate = self.merged()
+        best, best_value = best_assignment(estimate)
+        if self.pending is not None:
+            if _value(estimate, self.pending) >= self.accept_fraction * best_value:
+                return "[accept]"
+            return "[reject]"
+        if not self.partner_spoke:
+            return "[message] Please share the scores you know."
+        return self.propose(best)
+
+
+class NoTalk(ScriptedPlayer):
+    name = "no-talk"
+
+    def decide(self) -> str:
+        if self.pending is not None:
+            return "[accept]"
+        return self.propose(best_assignment(_expected(self.view))[0])
+
+
+_QUESTION = re.compile(
+    r"\?|\b(what|which|who|how|whose|do you|can you|could you|tell me|share)\b", re.IGNORECASE
+)
+
+
+def _mentions(text: str, n: int) -> tuple[set[int], set[int]]:
+    """Reviewers (full, first or last name) and papers (short title) named in ``text``."""
+    low = text.casefold()
+    reviewers = set()
+    for i, name in enumerate(REVIEWERS[:n]):
+        first, last = name.casefold().split()
+        if re.search(rf"\b({re.escape(name.casefold())}|{first}|{last})\b", low):
+            reviewers.add(i)
+    papers = {
+        i for i, s in enumerate(PAPERS_SHORT[:n]) if re.search(rf"\b{re.escape(s.casefold())}\b", low)
+    }
+    return reviewers, papers
+
+
+class Shy(ScriptedPlayer):
+    name = "shy"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, accept_fraction=0.8):
+        super().__init__(scenario, seat, seed)
+        self.accept_fraction = accept_fraction
+        self.last_message: str | None = None
+
+    def observe(self, kind: str, body: str) -> None:
+        self.last_message = body if kind == "message" else None
+
+    def answer(self, message: str) -> str:
+        reviewers, papers = _mentions(message, self.n)
+        if len(reviewers) == 1 and len(papers) == 1:
+            r, p = next(iter(reviewers)), next(iter(papers))
+            value = self.view[r][p]
+            if value is None:
+                return f"I don't know the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}."
+            return f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}: {value}."
+        if _QUESTION.search(message):
+            return "Hard to say in general. Some of them look fine to me."
+        return "Okay."
+
+    def decide(self) -> str:
+        if self.pending is not None:
+            own = _expected(self.view)
+            best_value = best_assignment(own)[1]
+            ok = _value(own, self.pending) >= self.accept_fraction * best_value
+            return "[accept]" if ok else "[reject]"
+        if self.last_message:
+            return "[message] " + self.answer(self.last_message)
+        return "[message] Hello."
+
+
+class RandomPlayer(ScriptedPlayer):
+    name = "random"
+
+    def decide(self) -> str:
+        if self.pending is not None:
+            return "[accept]" if self.rng.random() < 0.5 else "[reject]"
+        perm = self.rng.permutation(self.n)
+        return self.propose([(int(r), p) for p, r in enumerate(perm)])
+
+
+def make_scripted(name: str, scenario: Scenario, seat: int, seed: int = 0) -> ScriptedPlayer:
+    """Build a scripted player by name (one of SCRIPTED_NAMES)."""
+    match name:
+        case "cooperative":
+            return Cooperative(scenario, seat, seed)
+        case "no-talk":
+            return NoTalk(scenario, seat, seed)
+        case "shy":
+            return Shy(scenario, seat, seed)
+        case "random":
+            return RandomPlayer(scenario, seat, seed)
+        case _:
+            raise ValueError(
+                f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
+            )

@@ -1,0 +1,288 @@
+"""The matching game's rules: conformance vectors, the 134 human games, properties, statistics."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from selfplay.game import (
+    PAPERS,
+    PAPERS_SHORT,
+    REVIEWERS,
+    Game,
+    Outcome,
+    ProposalError,
+    best_assignment,
+    generate_scenario,
+    parse_proposal,
+    scenario_from_arrays,
+    score_assignment,
+)
+from selfplay.game.matching import _batched_max_assignment, format_proposal
+from selfplay.game.protocol import ERR_EMPTY, ERR_NOTHING_PENDING, ERR_PENDING
+
+# --- conformance vectors (shared/notes/dialop-matching.md) -----------------------------------
+
+
+def test_vector1_best_assignment_4x4():
+    table = [[7, 53, 17, 80], [44, 0, 99, 12], [65, 31, 2, 58], [9, 88, 40, 71]]
+    pairs, value = best_assignment(table)
+    assert pairs == [(0, 3), (1, 2), (2, 0), (3, 1)]
+    assert value == 332
+
+
+def test_vector2_identity_3x3():
+    pairs, value = best_assignment([[10, 0, 0], [0, 10, 0], [0, 0, 1]])
+    assert pairs == [(0, 0), (1, 1), (2, 2)]
+    assert value == 21
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vector3_overwrite_and_brute_force_best(seed):
+    s = generate_scenario(seed)
+    table = np.array(s.table)
+    unknown_both = ~np.array(s.masks[0], bool) & ~np.array(s.masks[1], bool)
+    assert (table[unknown_both] == 50).all()
+    brute = max(table[np.arange(8), list(perm)].sum() for perm in itertools.permutations(range(8)))
+    assert s.best == brute
+    assert s.score(s.best_assignment) == s.best
+
+
+def test_vector4_rendering_truncates_and_prints_zero():
+    table = np.full((8, 8), 10)
+    table[0, :2] = [0, 34]
+    mask = np.zeros((8, 8), int)
+    mask[0, :2] = 1
+    s = scenario_from_arrays(table, (mask, np.ones((8, 8))), (9.434070124084455, 1.0))
+    lines = s.view_csv(0).split("\n")
+    assert lines[0] == "," + ",".join(PAPERS)
+    assert lines[1] == "Ava Li,0,320,,,,,,"
+    assert lines[2] == "Daniel Nguyen,,,,,,,,"
+
+
+def _game(n=8, **kw) -> Game:
+    return Game(generate_scenario(11, n), **kw)
+
+
+def test_vector6_short_proposal_keeps_turn():
+    g = _game()
+    r = g.step(0, "[propose] Proposal:\nBLEU: Ava Li")
+    assert not r.action.valid
+    assert "have 8 lines" in r.action.error
+    assert r.observations[0][0].startswith("Error: Your proposal must start with 'Proposal:'")
+    assert r.observations[1] == []
+    assert g.turn == 0 and not r.done
+
+
+def test_vector7_accept_reject_flow():
+    g = _game()
+    r = g.step(0, "[accept]")
+    assert not r.action.valid and r.action.error == ERR_NOTHING_PENDING and g.turn == 0
+    pairs = g.scenario.best_assignment
+    assert g.step(0, "[propose] " + format_proposal(pairs)).action.valid
+    assert g.turn == 1
+    r = g.step(1, "[message] hmm")
+    assert not r.action.valid and r.action.error == ERR_PENDING and g.turn == 1
+    r = g.step(1, "[reject]")
+    assert r.action.valid and not r.done and g.turn == 1 and g.pending is None
+    assert r.observations[0] == ["Partner: [reject]"]
+    assert g.step(1, "[propose] " + format_proposal(pairs)).action.valid
+    r = g.step(0, "[accept]")
+    assert r.done and r.outcome is Outcome.ACCEPTED
+    assert g.score == g.scenario.best and g.reward == 1.0
+
+
+# --- human games ------------------------------------------------------------------------------
+
+
+def test_vector5_first_human_game(human_games):
+    game = human_games[0]
+    proposal = [a for a in game["action_log"] if a["type"] == "proposal"][-1]
+    pairs = parse_proposal(proposal["proposal"])
+    assert set(pairs) == {(3, 3), (0, 2), (1, 1), (6, 6), (5, 4), (4, 5), (7, 0), (2, 7)}
+    assert score_assignment(game["table"], pairs) == 599
+    assert best_assignment(game["table"])[1] == game["best_assignment_reward"] == 599
+
+
+def _accepted_proposal(game: dict) -> dict:
+    log = game["action_log"]
+    for i, a in enumerate(log):
+        if a["type"] == "proposal_response" and a["response"]["accept"]:
+            return next(b for b in reversed(log[:i]) if b["type"] == "proposal")
+    raise AssertionError("no accepted proposal")
+
+
+# Human game 32 was played with another reviewer roster (same table order: by last name).
+OTHER_ROSTER = (
+    "Olivia Anderson",
+    "Lucas Brown",
+    "Alexander Hill",
+    "Noah Lee",
+    "Mason Martin",
+    "Ava Thompson",
+    "Harper Walker",
+    "Isabella Wright",
+)
+
+
+def test_all_human_games_parse_and_score(human_games):
+    assert len(human_games) == 134
+    rewards = []
+    for game in human_games:
+        proposal = _accepted_proposal(game)
+        roster = OTHER_ROSTER if "Noah Lee" in proposal["proposal"] else REVIEWERS
+        pairs = parse_proposal(proposal["proposal"], roster=roster)
+        assert sorted(map(tuple, proposal["proposal_ids"])) == pairs
+        assert score_assignment(game["table"], pairs) == game["result"]["score"]
+        s = scenario_from_arrays(
+            game["table"], (game["mask1"], game["mask2"]), (game["scale1"], game["scale2"])
+        )
+        assert s.best == game["best_assignment_reward"]
+        rewards.append(s.score(pairs) / s.best)
+    assert np.mean(rewards) == pytest.approx(0.921, abs=0.001)
+
+
+# --- proposal parsing -------------------------------------------------------------------------
+
+GOOD = "Proposal:\n" + "\n".join(f"{p}: {r}" for p, r in zip(PAPERS_SHORT, REVIEWERS))
+IDENTITY = [(i, i) for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        GOOD,
+        GOOD.replace("\n", "<br/>"),
+        GOOD.replace("\n", "<br/>&emsp; - "),
+        GOOD.lower(),
+        GOOD.replace("\n", "\n  * "),
+        "Proposal:\n" + "\n".join(f"{p}: {r}" for p, r in zip(PAPERS, REVIEWERS)),
+        "  " + GOOD.replace("\n", "\n\n") + "  \n",
+    ],
+)
+def test_parse_accepts_variants(text):
+    assert parse_proposal(text) == IDENTITY
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("BLEU: Ava Li", "must start with 'Proposal:'"),
+        (GOOD.rsplit("\n", 1)[0], "have 8 lines"),
+        (GOOD.replace("SWAG: Noah Wilson", "SWAG Noah Wilson"), "Paper: Reviewer"),
+        (GOOD.replace("SWAG: Noah Wilson", "SWAT: Noah Wilson"), "Unknown paper 'SWAT'"),
+        (GOOD.replace("SWAG: Noah Wilson", "SWAG: Noah Wilsen"), "Unknown reviewer 'Noah Wilsen'"),
+        (GOOD.replace("SWAG: Noah Wilson", "SWAG: Ava Li"), "Reviewer Ava Li is assigned"),
+        (GOOD.replace("SWAG: Noah Wilson", "BLEU: Noah Wilson"), "Paper BLEU is assigned twice"),
+        (GOOD.replace("SWAG: Noah Wilson", "Noah Wilson: SWAG"), "reviewer first"),
+        (GOOD.replace("SWAG: Noah Wilson", "SWAG: Noah"), "Unknown reviewer"),
+    ],
+)
+def test_parse_errors_name_the_problem(text, needle):
+    with pytest.raises(ProposalError, match=None) as e:
+        parse_proposal(text)
+    assert needle in str(e.value)
+
+
+def test_parse_small_table():
+    text = "Proposal:\nBLEU: Sofia Patel\nElectra: Ava Li\nGloVe: Daniel Nguyen"
+    assert parse_proposal(text, 3) == [(0, 1), (1, 2), (2, 0)]
+    with pytest.raises(ProposalError, match="Unknown paper"):
+        parse_proposal(text.replace("GloVe", "GLUE"), 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_parser_raises_only_proposal_error(text):
+    try:
+        pairs = parse_proposal(text)
+    except ProposalError:
+        return
+    assert sorted(r for r, _ in pairs) == list(range(8))
+
+
+_TAGS = st.sampled_from(["[message] ", "[propose] ", "[accept]", "[reject]", "", "[MESSAGE]"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_TAGS, st.text(max_size=40) | st.just(GOOD)), max_size=40))
+def test_protocol_never_raises_on_any_text(moves):
+    g = Game(generate_scenario(3, 4), max_actions=25, max_invalid=3)
+    for tag, body in moves:
+        if g.done:
+            break
+        r = g.step(g.turn, tag + body)
+        assert r.action.valid or r.action.error
+    assert len(g.actions) <= 25
+    if g.done:
+        assert g.outcome in (Outcome.ACCEPTED, Outcome.MAX_ACTIONS, Outcome.INVALID)
+    assert 0.0 <= g.reward <= 1.0
+
+
+# --- limits -----------------------------------------------------------------------------------
+
+
+def test_consecutive_invalid_limit_ends_with_zero():
+    g = _game(max_invalid=3)
+    g.step(0, "hello")
+    g.step(0, "[message]")
+    assert not g.done
+    r = g.step(0, "[accept]")
+    assert r.done and r.outcome is Outcome.INVALID and g.reward == 0.0
+    assert [a.error for a in g.actions][1] == ERR_EMPTY
+
+
+def test_valid_action_resets_invalid_streak():
+    g = _game(max_invalid=2, max_actions=100)
+    for _ in range(5):
+        g.step(g.turn, "oops")
+        g.step(g.turn, "[message] hi")
+    assert not g.done
+
+
+def test_max_actions_ends_with_zero():
+    g = _game(max_actions=4)
+    for _ in range(4):
+        r = g.step(g.turn, "[message] hi")
+    assert r.done and r.outcome is Outcome.MAX_ACTIONS and g.reward == 0.0
+
+
+# --- generation -------------------------------------------------------------------------------
+
+
+def test_same_seed_same_scenario():
+    a, b = generate_scenario(123), generate_scenario(123)
+    assert a.model_dump_json() == b.model_dump_json()
+    assert generate_scenario(124).table != a.table
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6, 7, 8])
+def test_sizes(n):
+    s = generate_scenario(5, n, max_tables=2000)
+    assert len(s.table) == n and all(len(r) == n for r in s.table)
+    assert s.reviewers == REVIEWERS[:n]
+    assert s.best == best_assignment(s.table)[1]
+
+
+def test_batched_dp_matches_hungarian():
+    rng = np.random.default_rng(0)
+    tables = rng.integers(0, 100, (300, 8, 8), dtype=np.int32)
+    values = _batched_max_assignment(tables)
+    assert [best_assignment(t)[1] for t in tables] == values.tolist()
+
+
+def test_distribution_over_1000_seeds():
+    scenarios = [generate_scenario(seed) for seed in range(1000)]
+    m1 = np.array([s.masks[0] for s in scenarios], bool)
+    m2 = np.array([s.masks[1] for s in scenarios], bool)
+    assert m1.mean() == pytest.approx(0.38, abs=0.02)
+    assert m2.mean() == pytest.approx(0.38, abs=0.02)
+    assert (m1 | m2).mean() == pytest.approx(0.64, abs=0.02)
+    assert np.mean([s.best for s in scenarios]) == pytest.approx(611, abs=10)
+    assert np.mean([s.passed_filter for s in scenarios]) >= 0.97
+    scales = np.array([s.scales for s in scenarios])
+    assert scales.min() >= 1.0 and scales.max() <= 10.0
