@@ -1,0 +1,185 @@
+"""Scripted players (table-driven) and the scripted `selfplay eval` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from selfplay.cli import app
+from selfplay.evaluate import evaluate_scripted, play_scripted
+from selfplay.game import generate_scenario, parse_proposal
+from selfplay.game.prompts import intro
+from selfplay.players.scripted import (
+    Shy,
+    format_values,
+    make_scripted,
+    parse_values,
+    partner_events,
+)
+
+SCENARIO = generate_scenario(42)
+
+
+def _act(player, observation: str) -> str:
+    return asyncio.run(player.act(observation))
+
+
+def test_values_round_trip():
+    view = SCENARIO.view(0)
+    text = format_values(view, range(8))
+    known = {(r, p): v for r, row in enumerate(view) for p, v in enumerate(row) if v is not None}
+    assert parse_values(text, 8) == known
+
+
+def test_partner_events_split_and_strip_choices():
+    obs = "Partner: [message] hi there\n\nPartner: [propose] Proposal:\nBLEU: Ava Li\n"
+    obs += "You can output one of these choices: [accept] or [reject]"
+    assert partner_events(obs) == [
+        ("message", "hi there"),
+        ("propose", "Proposal:\nBLEU: Ava Li"),
+    ]
+
+
+def _shy_reply(question: str) -> str:
+    shy = Shy(SCENARIO, 1)
+    _act(shy, intro(SCENARIO, 1))
+    return _act(shy, f"Partner: [message] {question}")
+
+
+def _known_and_unknown(seat: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    view = SCENARIO.view(seat)
+    cells = [(r, p) for r in range(8) for p in range(8)]
+    known = next(c for c in cells if view[c[0]][c[1]] is not None)
+    unknown = next(c for c in cells if view[c[0]][c[1]] is None)
+    return known, unknown
+
+
+@pytest.mark.parametrize(
+    ("template", "expect"),
+    [
+        ("What is the score for {r} on {p}?", "value"),
+        ("how good is {first} for {p}?", "value"),
+        ("{last} and {p}: your number please", "value"),
+        ("What do you know?", "vague"),
+        ("Which reviewers look good to you?", "vague"),
+        ("What about {r}?", "vague"),
+        ("I think we should go.", "okay"),
+        ("{r} is great on {p} and BLEU, right?", "vague"),
+    ],
+)
+def test_shy_answers_only_direct_questions(template, expect):
+    from selfplay.game import PAPERS_SHORT, REVIEWERS
+
+    (r, p), _ = _known_and_unknown(1)
+    if PAPERS_SHORT[p] == "BLEU":  # keep the two-paper row a two-paper question
+        template = template.replace("BLEU", "SWAG")
+    name = REVIEWERS[r]
+    first, last = name.split()
+    reply = _shy_reply(template.format(r=name, first=first, last=last, p=PAPERS_SHORT[p]))
+    assert reply.startswith("[message] ")
+    value = SCENARIO.view(1)[r][p]
+    if expect == "value":
+        assert reply.endswith(f": {value}.")
+    elif expect == "vague":
+        assert "Hard to say" in reply and str(value) not in reply
+    else:
+        assert reply == "[message] Okay."
+
+
+def test_shy_says_when_it_does_not_know():
+    from selfplay.game import PAPERS_SHORT, REVIEWERS
+
+    _, (r, p) = _known_and_unknown(1)
+    reply = _shy_reply(f"What is {REVIEWERS[r]}'s score on {PAPERS_SHORT[p]}?")
+    assert "don't know" in reply
+
+
+def test_shy_never_volunteers_and_judges_by_own_view():
+    shy = Shy(SCENARIO, 0)
+    assert _act(shy, intro(SCENARIO, 0)) == "[message] Hello."
+    best = "[propose] Proposal:\n" + "\n".join(
+        f"{p}: {r}" for r, p in _named(SCENARIO.best_assignment)
+    )
+    assert _act(shy, f"Partner: {best}\nYou can output one of these choices") in (
+        "[accept]",
+        "[reject]",
+    )
+
+
+def _named(pairs):
+    from selfplay.game import PAPERS_SHORT, REVIEWERS
+
+    return [(REVIEWERS[r], PAPERS_SHORT[p]) for r, p in sorted(pairs, key=lambda x: x[1])]
+
+
+def test_no_talk_proposes_at_once_and_accepts_anything():
+    p = make_scripted("no-talk", SCENARIO, 0)
+    first = _act(p, intro(SCENARIO, 0))
+    assert first.startswith("[propose] ")
+    parse_proposal(first.removeprefix("[propose] "))
+    assert _act(p, "Partner: " + first) == "[accept]"
+
+
+def test_random_proposals_are_valid_and_seeded():
+    a = [_act(make_scripted("random", SCENARIO, 0, seed=5), "") for _ in range(2)]
+    assert a[0] == a[1]
+    parse_proposal(a[0].removeprefix("[propose] "))
+
+
+def test_cooperative_shares_then_proposes_merged_best():
+    coop = make_scripted("cooperative", SCENARIO, 0)
+    first = _act(coop, intro(SCENARIO, 0))
+    assert first.startswith("[message] My known scores:")
+    partner_text = format_values(SCENARIO.view(1), range(8))
+    second = _act(coop, f"Partner: [message] My known scores: {partner_text}")
+    assert second.startswith("[propose] ")
+
+
+def test_unknown_scripted_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown scripted player 'greedy'"):
+        make_scripted("greedy", SCENARIO, 0)
+
+
+def test_baselines_order():
+    coop = evaluate_scripted(("cooperative", "cooperative"), num_games=60, seed=7)
+    no_talk = evaluate_scripted(("no-talk", "no-talk"), num_games=60, seed=7)
+    rand = evaluate_scripted(("random", "random"), num_games=60, seed=7)
+    assert coop["reward_mean"] >= 0.95
+    assert no_talk["reward_mean"] < 0.85
+    assert rand["reward_mean"] < no_talk["reward_mean"]
+    assert coop["invalid_action_rate"] == 0.0
+
+
+def test_scripted_games_are_deterministic():
+    a = play_scripted(("random", "cooperative"), num_games=5, seed=3)
+    b = play_scripted(("random", "cooperative"), num_games=5, seed=3)
+    def strip(r):
+        return r.model_dump_json(exclude={"timings"})
+
+    assert [strip(r) for r in a] == [strip(r) for r in b]
+
+
+def test_eval_cli_writes_documented_keys(tmp_path):
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(
+        app,
+        ["eval", "--players", "cooperative,no-talk", "--num-games", "10", "--seed", "1",
+         "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    for key in ("players", "games", "reward_mean", "reward_ci_low", "reward_ci_high",
+                "agreement_rate", "mean_actions", "mean_words", "invalid_action_rate",
+                "optimal_rate", "outcomes"):
+        assert key in data
+    assert data["games"] == 10
+    assert data["reward_ci_low"] <= data["reward_mean"] <= data["reward_ci_high"]
+
+
+def test_eval_cli_rejects_unknown_player():
+    result = CliRunner().invoke(app, ["eval", "--players", "cooperative,greedy"])
+    assert result.exit_code == 1
+    assert "--players must be two of" in result.output
