@@ -34,7 +34,9 @@ def main() -> None:
     for col in ("metric", "value"):
         table.add_column(col)
     table.add_row("ms per scenario (mean)", f"{np.mean(times):.2f}")
-    table.add_row("ms per scenario (p50 / p95)", f"{np.median(times):.2f} / {np.percentile(times, 95):.2f}")
+    table.add_row(
+        "ms per scenario (p50 / p95)", f"{np.median(times):.2f} / {np.percentile(times, 95):.2f}"
+    )
     table.add_row("tables tried per scenario (mean)", f"{np.mean(tried):.0f}")
     table.add_row("us per table tried", f"{1000 * np.sum(times) / np.sum(tried):.2f}")
     table.add_row("passed hardness filter", f"{np.mean(passed):.3f}")

@@ -31,7 +31,7 @@ def cache_root() -> Path:
 
 
 def embedded_model_dir(cache: Path | None = None) -> Path:
-    """Return a safetensors HF directory of the embedded SmolLM2 model, converting it on first use."""
+    """A safetensors HF directory of the embedded SmolLM2 model, converted on first use."""
     out = (cache or cache_root()) / "smollm2-135m-instruct"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out

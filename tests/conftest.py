@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny offline model (built once per session) and the human games when present."""
+"""Shared fixtures: a tiny offline model (built once per session) and the human games."""
 
 from __future__ import annotations
 

@@ -156,6 +156,7 @@ def test_baselines_order():
 def test_scripted_games_are_deterministic():
     a = play_scripted(("random", "cooperative"), num_games=5, seed=3)
     b = play_scripted(("random", "cooperative"), num_games=5, seed=3)
+
     def strip(r):
         return r.model_dump_json(exclude={"timings"})
 
@@ -166,14 +167,33 @@ def test_eval_cli_writes_documented_keys(tmp_path):
     out = tmp_path / "eval.json"
     result = CliRunner().invoke(
         app,
-        ["eval", "--players", "cooperative,no-talk", "--num-games", "10", "--seed", "1",
-         "--out", str(out)],
+        [
+            "eval",
+            "--players",
+            "cooperative,no-talk",
+            "--num-games",
+            "10",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    for key in ("players", "games", "reward_mean", "reward_ci_low", "reward_ci_high",
-                "agreement_rate", "mean_actions", "mean_words", "invalid_action_rate",
-                "optimal_rate", "outcomes"):
+    for key in (
+        "players",
+        "games",
+        "reward_mean",
+        "reward_ci_low",
+        "reward_ci_high",
+        "agreement_rate",
+        "mean_actions",
+        "mean_words",
+        "invalid_action_rate",
+        "optimal_rate",
+        "outcomes",
+    ):
         assert key in data
     assert data["games"] == 10
     assert data["reward_ci_low"] <= data["reward_mean"] <= data["reward_ci_high"]

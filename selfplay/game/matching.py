@@ -87,7 +87,7 @@ class Scenario(BaseModel):
         return np.asarray(self.table, dtype=np.int64)
 
     def view(self, seat: int) -> list[list[int | None]]:
-        """The scaled values seat ``seat`` (0 or 1) sees: int(true * scale) where known, else None."""
+        """What seat 0 or 1 sees: int(true * scale) where known, else None."""
         scale = self.scales[seat]
         return [
             [int(v * scale) if k else None for v, k in zip(row, mrow)]
@@ -95,7 +95,7 @@ class Scenario(BaseModel):
         ]
 
     def view_csv(self, seat: int) -> str:
-        """The seat's table in the reference CSV rendering (header row of titles, empty unknowns)."""
+        """The seat's table as the reference renders it: CSV, titles header, empty unknowns."""
         lines = ["," + ",".join(self.papers)]
         for name, row in zip(self.reviewers, self.view(seat)):
             lines.append(name + "," + ",".join("" if v is None else str(v) for v in row))
@@ -112,7 +112,7 @@ def score_assignment(table, pairs: Pairs) -> int:
 
 
 def best_assignment(table) -> tuple[Pairs, int]:
-    """Maximum-weight one-to-one assignment (Hungarian) as sorted (reviewer, paper) pairs and its value."""
+    """Maximum-weight one-to-one assignment (Hungarian): sorted (reviewer, paper) pairs, value."""
     arr = np.asarray(table)
     rows, cols = linear_sum_assignment(arr, maximize=True)
     pairs = sorted((int(r), int(c)) for r, c in zip(rows, cols))
@@ -120,7 +120,7 @@ def best_assignment(table) -> tuple[Pairs, int]:
 
 
 def _solo_reward(table: np.ndarray, known: np.ndarray) -> int:
-    """Reference solo score: best assignment for own known values (50 elsewhere), scored on the truth."""
+    """Reference solo score: optimum of own known values (50 elsewhere), scored on the truth."""
     expected = np.where(known, table, UNKNOWN_VALUE)
     rows, cols = linear_sum_assignment(expected, maximize=True)
     return int(table[rows, cols].sum())
@@ -163,7 +163,7 @@ def _batched_max_assignment(values: np.ndarray) -> np.ndarray:
 
 
 def _min_solo_reward(table: np.ndarray, known: np.ndarray) -> np.ndarray:
-    """Per table, the lowest true score among all solo-optimal assignments (a bound for any tie-break).
+    """Per table, the lowest true score among all solo-optimal assignments (any tie-break).
 
     Maximising 1000 * expected - true selects the best expected value first, then the lowest true
     score among ties; true sums are below 1000, so both parts decode exactly.
@@ -184,9 +184,10 @@ def generate_scenario(
 ) -> Scenario:
     """Draw a scenario deterministically from ``seed``, as the DialOp reference does.
 
-    Values uniform in 0..99; each seat knows each cell with probability ``p_known``; cells unknown to
-    both become 50; scales uniform(1, 10). With ``hard`` the table is redrawn until each seat's solo
-    optimum scores below best / 1.25, giving up after ``max_tables`` tables (the last one is kept).
+    Values uniform in 0..99; each seat knows each cell with probability ``p_known``; cells
+    unknown to both become 50; scales uniform(1, 10). With ``hard`` the table is redrawn until
+    each seat's solo optimum scores below best / 1.25, giving up after ``max_tables`` tables (the
+    last one is kept).
     The filter is vectorised: an exact batched bound rejects almost every table, and the few
     survivors are checked with the reference's own Hungarian procedure.
     """

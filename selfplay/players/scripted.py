@@ -215,7 +215,9 @@ def _mentions(text: str, n: int) -> tuple[set[int], set[int]]:
         if re.search(rf"\b({re.escape(name.casefold())}|{first}|{last})\b", low):
             reviewers.add(i)
     papers = {
-        i for i, s in enumerate(PAPERS_SHORT[:n]) if re.search(rf"\b{re.escape(s.casefold())}\b", low)
+        i
+        for i, s in enumerate(PAPERS_SHORT[:n])
+        if re.search(rf"\b{re.escape(s.casefold())}\b", low)
     }
     return reviewers, papers
 
