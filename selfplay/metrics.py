@@ -34,11 +34,13 @@ def summarize(records: Iterable[GameRecord]) -> dict:
     """Summary of a set of games. Keys (documented in README):
 
     games, reward_mean, reward_ci_low, reward_ci_high, reward_std, agreement_rate,
-    mean_actions, mean_words, invalid_action_rate, optimal_rate, outcomes {outcome: count}.
+    mean_actions, mean_words, invalid_action_rate, optimal_rate, questions_per_game,
+    outcomes {outcome: count}.
     """
-    rewards, actions, words, invalid, optimal = [], [], [], [], []
+    rewards, actions, words, invalid, optimal, questions = [], [], [], [], [], []
     outcomes: Counter[str] = Counter()
     for r in records:
+        questions.append(sum(questions_by_seat(r)))
         rewards.append(r.reward)
         actions.append(r.counts.get("actions", len(r.actions)))
         words.append(r.counts.get("words", 0))
@@ -59,5 +61,50 @@ def summarize(records: Iterable[GameRecord]) -> dict:
         "mean_words": float(np.mean(words)) if n else math.nan,
         "invalid_action_rate": sum(invalid) / total_actions if total_actions else 0.0,
         "optimal_rate": float(np.mean(optimal)) if n else math.nan,
+        "questions_per_game": float(np.mean(questions)) if n else math.nan,
         "outcomes": dict(outcomes),
     }
+
+
+_QUESTION_WORDS = (
+    "what",
+    "which",
+    "who",
+    "whom",
+    "whose",
+    "how",
+    "why",
+    "where",
+    "when",
+    "do",
+    "does",
+    "did",
+    "can",
+    "could",
+    "would",
+    "will",
+    "is",
+    "are",
+    "should",
+    "any",
+)
+
+
+def is_question(text: str) -> bool:
+    """A simple question detector: a '?' or a sentence opening with a question word."""
+    if "?" in text:
+        return True
+    for sentence in text.replace("!", ".").split("."):
+        words = sentence.strip().lower().split()
+        if words and words[0] in _QUESTION_WORDS:
+            return True
+    return False
+
+
+def questions_by_seat(record: GameRecord) -> tuple[int, int]:
+    """Valid [message] turns that ask a question, per seat."""
+    counts = [0, 0]
+    for a in record.actions:
+        if a.valid and a.kind == "message" and is_question(a.text.split("]", 1)[-1]):
+            counts[a.seat] += 1
+    return counts[0], counts[1]

@@ -1,0 +1,142 @@
+"""Plots and a markdown summary of a run, from its per-round metrics (data/RUN/metrics.jsonl).
+
+``write_report(run_dir)`` draws reward per round (with its 95% interval, the scripted baselines and
+the human reference as lines), agreement, actions, invalid rate and questions per game, and writes
+REPORT.md embedding them with the table of rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+import orjson  # noqa: E402
+
+from selfplay.evaluate import evaluate_scripted  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+HUMAN_REFERENCE = 0.921  # mean normalised reward of the 134 DialOp human games (shared/dialop-data)
+BASELINES = ("cooperative", "no-talk", "random")
+
+
+class ReportError(ValueError):
+    """A run directory without metrics to report."""
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise ReportError(f"{path} does not exist: run `selfplay iterate` for this run first")
+    rows = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    if not rows:
+        raise ReportError(f"{path} has no finished round yet")
+    return sorted(rows, key=lambda r: r["round"])
+
+
+def baseline_rewards(n: int = 8, num_games: int = 50, seed: int = 0) -> dict[str, float]:
+    """Mean reward of each scripted baseline in self-play on held-out scenarios."""
+    return {
+        name: evaluate_scripted((name, name), num_games=num_games, seed=seed, n=n)["reward_mean"]
+        for name in BASELINES
+    }
+
+
+def _line_plot(rows, key, title, ylabel, path, *, ci=None, hlines=None) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    rounds = [r["round"] for r in rows]
+    values = [r.get(key) for r in rows]
+    ax.plot(rounds, values, marker="o", color="tab:blue", label="model")
+    if ci is not None:
+        lo = [r.get(ci[0]) for r in rows]
+        hi = [r.get(ci[1]) for r in rows]
+        ax.fill_between(rounds, lo, hi, color="tab:blue", alpha=0.2, label="95% CI")
+    for i, (label, value) in enumerate((hlines or {}).items()):
+        ax.axhline(value, linestyle="--", color=f"C{i + 1}", label=f"{label} ({value:.3f})")
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_xticks(rounds)
+    ax.grid(alpha=0.3)
+    if ci is not None or hlines:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: str | Path, *, n: int = 8, baselines: dict | None = None) -> Path:
+    """Write PNG plots and REPORT.md into ``run_dir``; return the REPORT.md path."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if baselines is None:
+        baselines = baseline_rewards(n)
+    lines = {**{f"scripted {k}": v for k, v in baselines.items()}, "human": HUMAN_REFERENCE}
+    plots = {
+        "reward": _line_plot(
+            rows,
+            "reward_mean",
+            "Mean normalised reward",
+            "reward",
+            run_dir / "reward.png",
+            ci=("reward_ci_low", "reward_ci_high"),
+            hlines=lines,
+        ),
+        "agreement": _line_plot(
+            rows, "agreement_rate", "Agreement rate", "share of games", run_dir / "agreement.png"
+        ),
+        "actions": _line_plot(
+            rows, "mean_actions", "Actions per game", "actions", run_dir / "actions.png"
+        ),
+        "invalid": _line_plot(
+            rows,
+            "invalid_action_rate",
+            "Invalid-action rate",
+            "share of actions",
+            run_dir / "invalid.png",
+        ),
+        "questions": _line_plot(
+            rows, "questions_per_game", "Questions per game", "questions", run_dir / "questions.png"
+        ),
+    }
+    md = [f"# Run report: {run_dir.name}", ""]
+    md.append(
+        "| round | games | reward [95% CI] | agreement | actions | words | invalid | questions "
+        "| pg_loss | kl | clip frac | train tok/s | update |"
+    )
+    md.append("|---" * 13 + "|")
+    for r in rows:
+        t = r.get("train") or {}
+
+        def f(x, fmt=".3f"):
+            return "" if x is None else format(x, fmt)
+
+        md.append(
+            f"| {r['round']} | {r.get('games', '')} | {f(r.get('reward_mean'))} "
+            f"[{f(r.get('reward_ci_low'))}, {f(r.get('reward_ci_high'))}] "
+            f"| {f(r.get('agreement_rate'))} | {f(r.get('mean_actions'), '.2f')} "
+            f"| {f(r.get('mean_words'), '.1f')} | {f(r.get('invalid_action_rate'))} "
+            f"| {f(r.get('questions_per_game'), '.2f')} | {f(t.get('pg_loss'), '.4f')} "
+            f"| {f(t.get('kl'), '.4f')} | {f(t.get('clip_frac'), '.3f')} "
+            f"| {f(t.get('tokens_per_s'), '.0f')} "
+            f"| {'skipped: ' + r['skip_reason'] if r.get('skip_reason') else 'trained'} |"
+        )
+    md.append("")
+    md.append(
+        "Baselines (scripted self-play on held-out scenarios): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in baselines.items())
+        + f"; human reference {HUMAN_REFERENCE} (134 DialOp human games)."
+    )
+    md.append("")
+    for name, path in plots.items():
+        md.append(f"![{name}]({path.name})")
+        md.append("")
+    out = run_dir / "REPORT.md"
+    out.write_text("\n".join(md))
+    log.info("wrote %s and %d plots", out, len(plots))
+    return out
