@@ -13,10 +13,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never a window
-import matplotlib.pyplot as plt  # noqa: E402
-import orjson  # noqa: E402
+import matplotlib.pyplot as plt
+import orjson
 
-from selfplay.evaluate import evaluate_scripted  # noqa: E402
+from selfplay.evaluate import evaluate_scripted
 
 log = logging.getLogger(__name__)
 
