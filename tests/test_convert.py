@@ -1,0 +1,608 @@
+"""Tests of `selfplay convert`: games.jsonl -> GRPO training rows (selfplay/convert.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from selfplay.convert import (
+    SUMMARY_FILE,
+    ConvertConfig,
+    ConvertError,
+    ConvertSummary,
+    convert,
+    is_val_scenario,
+)
+from selfplay.game import generate_scenario
+from selfplay.game.protocol import Outcome
+from selfplay.records import (
+    TRAINING_SCHEMA,
+    ActionRecord,
+    GameRecord,
+    RecordError,
+    SeatConfig,
+    SeatTokens,
+    dump_record,
+)
+
+LLM = SeatConfig(kind="llm", name="tiny", trained=True)
+FIXED = SeatConfig(kind="scripted", name="cooperative", trained=False)
+_SCENARIOS: dict[str, object] = {}
+
+
+def scenario(sid: str):
+    if sid not in _SCENARIOS:
+        base = generate_scenario(len(_SCENARIOS), n=3, hard=False)
+        _SCENARIOS[sid] = base.model_copy(update={"id": sid})
+    return _SCENARIOS[sid]
+
+
+def hand_tokens(seat: int, turns: int = 2, fingerprint: str | None = "fp") -> SeatTokens:
+    """A hand-made token scheme: prompt 100+seat, 101, 102; own tokens 200+; partner 300+.
+
+    Own turns are [2*10+seat*5+t, ...]; every own token has log-prob -(id / 1000).
+    """
+    ids, mask = [100 + seat, 101, 102], [0, 0, 0]
+    messages = [{"role": "user", "content": f"intro seat {seat}"}]
+    for t in range(turns):
+        own = [200 + 10 * t + seat, 201 + 10 * t + seat]
+        ids += own
+        mask += [1, 1]
+        messages.append({"role": "assistant", "content": f"own {t}"})
+        ids += [300 + t, 301 + t, 302 + t]
+        mask += [0, 0, 0]
+        messages.append({"role": "user", "content": f"partner {t}"})
+    logprobs = [-(i / 1000) if m else 0.0 for i, m in zip(ids, mask)]
+    return SeatTokens(
+        token_ids=ids, mask=mask, logprobs=logprobs, messages=messages,
+        tokenizer_fingerprint=fingerprint,
+    )  # fmt: skip
+
+
+def game(
+    gid: str,
+    sid: str,
+    reward: float,
+    *,
+    tokens: tuple[SeatTokens | None, SeatTokens | None] | None = None,
+    seats: tuple[SeatConfig, SeatConfig] = (LLM, LLM),
+    round: int = 0,
+    actions: list[ActionRecord] | None = None,
+) -> GameRecord:
+    if tokens is None:
+        tokens = tuple(hand_tokens(s) if seats[s].trained else None for s in (0, 1))
+    return GameRecord(
+        game_id=gid,
+        scenario_id=sid,
+        round=round,
+        seed=0,
+        scenario=scenario(sid),
+        seats=seats,
+        actions=actions or [],
+        tokens=tokens,
+        outcome=Outcome.ACCEPTED if reward > 0 else Outcome.MAX_ACTIONS,
+        score=int(reward * 100),
+        reward=reward,
+    )
+
+
+def write(path: Path, records: list, extra_lines: dict[int, bytes] | None = None) -> Path:
+    """Write records as JSONL; extra_lines inserts raw lines at 1-based line numbers."""
+    lines = [dump_record(r) if isinstance(r, GameRecord) else r for r in records]
+    for lineno, raw in sorted((extra_lines or {}).items()):
+        lines.insert(lineno - 1, raw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(lines))
+    return path
+
+
+def run(tmp_path: Path, records: list, **kw) -> tuple[ConvertSummary, list[dict], list[dict]]:
+    games = write(tmp_path / "games.jsonl", records)
+    s = convert(ConvertConfig(games=games, out=tmp_path / "out", **{"val_fraction": 0.0, **kw}))
+    train = pq.read_table(s.train_path).to_pylist()
+    val = pq.read_table(s.val_path).to_pylist()
+    return s, train, val
+
+
+def variance(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / len(xs)
+
+
+# ---------------------------------------------------------------------------------------------
+# golden conversion
+
+
+def test_golden_conversion_of_a_small_file(tmp_path):
+    records = [
+        game("a1", "A", 0.5),
+        game("b1", "B", 0.0),
+        game("a2", "A", 1.0),
+        game("b2", "B", 0.0),  # B: all rewards equal, a group without signal
+    ]
+    s, train, val = run(tmp_path, records)
+    assert val == []
+    # rows seen before their group showed a signal wait in the spool and come last
+    train.sort(key=lambda r: (r["game_id"], r["seat"]))
+    assert [(r["game_id"], r["seat"]) for r in train] == [
+        ("a1", 0),
+        ("a1", 1),
+        ("a2", 0),
+        ("a2", 1),
+    ]
+    row = train[1]  # a1, seat 1
+    assert row == {
+        "group_id": 0,
+        "group_key": "A/r0",
+        "game_id": "a1",
+        "scenario_id": "A",
+        "seat": 1,
+        "round": 0,
+        "prompt_ids": [101, 101, 102],
+        "response_ids": [201, 202, 300, 301, 302, 211, 212],  # trailing partner turn trimmed
+        "response_mask": [1, 1, 0, 0, 0, 1, 1],
+        "rollout_logprobs": pytest.approx([-0.201, -0.202, 0, 0, 0, -0.211, -0.212]),
+        "reward": 0.5,
+        "tokenizer_fingerprint": "fp",
+        "messages": [
+            {"role": "user", "content": "intro seat 1"},
+            {"role": "assistant", "content": "own 0"},
+            {"role": "user", "content": "partner 0"},
+            {"role": "assistant", "content": "own 1"},
+            {"role": "user", "content": "partner 1"},
+        ],
+        "data_source": "selfplay/dialop-matching",
+        "prompt": [{"role": "user", "content": "intro seat 1"}],
+        "reward_model": {"style": "rule", "ground_truth": 0.5},
+        "extra_info": {"index": 0, "game_id": "a1", "seat": 1},
+    }
+    assert {r["group_id"] for r in train} == {0}
+    assert [r["reward"] for r in train] == [0.5, 0.5, 1.0, 1.0]
+    assert s.games_read == 4
+    assert s.rows_candidate == 8
+    assert s.rows_written == s.rows_train == 4
+    assert (s.groups_seen, s.groups_written, s.groups_degenerate_dropped) == (2, 1, 1)
+    assert s.rows_in_degenerate_groups_dropped == 4
+    assert s.outcomes == {"accepted": 2, "max_actions": 2}
+    assert s.reward.mean == pytest.approx(0.75)
+    assert s.reward.std == pytest.approx(0.25)
+    assert (s.length_total.p50, s.length_total.max) == (10, 10)
+    assert (s.length_prompt.max, s.length_response.max, s.own_tokens.max) == (3, 7, 4)
+    assert s.tokenizer_fingerprint == "fp"
+    saved = ConvertSummary.model_validate_json((tmp_path / "out" / SUMMARY_FILE).read_bytes())
+    assert saved == s
+
+
+def test_written_files_have_the_training_schema(tmp_path):
+    s, _, _ = run(tmp_path, [game("a1", "A", 0.5), game("a2", "A", 1.0)])
+    for path in (s.train_path, s.val_path):
+        schema = pq.read_schema(path)
+        assert schema.names == TRAINING_SCHEMA.names
+        # parquet renames list items ("item" -> "element"); the types are the same otherwise
+        table = pq.read_table(path).cast(TRAINING_SCHEMA)
+        assert table.schema.equals(TRAINING_SCHEMA)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "convert_summary.json",
+        "train.parquet",
+        "val.parquet",
+    ]  # no temporary or spool file left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# exact tokens: mask-1 tokens are the seat's own actions
+
+
+def chat_tokens(tok, seat: int, actions: list[ActionRecord], intro: str) -> SeatTokens:
+    """Seat tokens the way a ChatML player builds them: template tokens 0, own completions 1."""
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    ids: list[int] = []
+    mask: list[int] = []
+    messages = [{"role": "user", "content": intro}]
+    pending = intro
+    rng = random.Random(seat)
+    for a in actions:
+        if a.seat == seat:
+            head = enc(f"<|im_start|>user\n{pending}<|im_end|>\n<|im_start|>assistant\n")
+            ids += head
+            mask += [0] * len(head)
+            own = enc(a.text + "<|im_end|>")
+            ids += own
+            mask += [1] * len(own)
+            ids += enc("\n")
+            mask += [0]
+            messages.append({"role": "assistant", "content": a.text})
+            pending = ""
+        else:
+            pending += ("\n" if pending else "") + f"Partner: {a.text}"
+            messages.append({"role": "user", "content": f"Partner: {a.text}"})
+    logprobs = [-rng.random() if m else 0.0 for m in mask]
+    return SeatTokens(token_ids=ids, mask=mask, logprobs=logprobs, messages=messages)
+
+
+def test_mask_one_tokens_decode_to_the_seats_own_actions(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts = [
+        "[message] Hello partner, what do you know about Ava Li and BLEU?",
+        "[message] Ava Li and BLEU: 120. GloVe: Sofia Patel",
+        "[propose] Proposal:\nBLEU: Ava Li\nElectra: Daniel Nguyen\nGloVe: Sofia Patel",
+        "[accept]",
+    ]
+    records = []
+    for g in range(4):
+        actions = [
+            ActionRecord(seat=i % 2, text=f"{t} ({g})", kind="message", valid=True)
+            for i, t in enumerate(texts)
+        ]
+        tokens = tuple(chat_tokens(tok, s, actions, f"intro {s}") for s in (0, 1))
+        records.append(game(f"g{g}", "S", g / 4, tokens=tokens, actions=actions))
+    s, train, _ = run(tmp_path, records)
+    assert s.rows_written == 8
+    by_game = {r.game_id: r for r in records}
+    for row in train:
+        spans, current = [], []
+        for t, m in zip(row["response_ids"], row["response_mask"]):
+            if m:
+                current.append(t)
+            elif current:
+                spans.append(current)
+                current = []
+        if current:
+            spans.append(current)
+        decoded = [tok.decode(span) for span in spans]
+        own = [
+            a.text + "<|im_end|>" for a in by_game[row["game_id"]].actions if a.seat == row["seat"]
+        ]
+        assert decoded == own
+        # the prompt is exactly the tokens before the first generated token
+        seat_tokens = by_game[row["game_id"]].tokens[row["seat"]]
+        first = seat_tokens.mask.index(1)
+        assert row["prompt_ids"] == seat_tokens.token_ids[:first]
+        n = len(row["response_ids"])
+        assert row["response_ids"] == seat_tokens.token_ids[first : first + n]
+        expected_lp = [x if m else 0.0 for x, m in zip(seat_tokens.logprobs, seat_tokens.mask)]
+        assert row["rollout_logprobs"] == pytest.approx(expected_lp[first : first + n], abs=1e-6)
+        assert row["response_mask"][-1] == 1  # the reward lands on the seat's own last token
+
+
+# ---------------------------------------------------------------------------------------------
+# groups
+
+
+def test_scenario_seat_keeps_the_seats_apart(tmp_path):
+    records = [game("a1", "A", 0.5), game("a2", "A", 1.0), game("a3", "A", 0.0)]
+    s, train, _ = run(tmp_path, records, group_by="scenario-seat")
+    keys = {r["group_key"]: r["group_id"] for r in train}
+    assert keys == {"A/r0/seat0": 0, "A/r0/seat1": 1}
+    for r in train:
+        assert r["group_key"].endswith(f"seat{r['seat']}")
+    assert s.groups_written == 2
+
+
+def test_rounds_are_separate_groups(tmp_path):
+    records = [game(f"g{i}", "A", i / 3, round=i % 2) for i in range(4)]
+    _, train, _ = run(tmp_path, records)
+    assert {r["group_key"] for r in train} == {"A/r0", "A/r1"}
+
+
+def test_fixed_partner_gives_rows_for_the_trained_seat_only(tmp_path):
+    records = [game(f"g{i}", "A", i / 2, seats=(LLM, FIXED)) for i in range(3)]
+    s, train, _ = run(tmp_path, records)
+    assert [r["seat"] for r in train] == [0, 0, 0]
+    assert s.rows_candidate == 3
+    assert s.trained_seats_without_tokens == 0
+
+
+def test_trained_seat_without_tokens_is_counted(tmp_path):
+    records = [game(f"g{i}", "A", i / 2, tokens=(hand_tokens(0), None)) for i in range(3)]
+    s, train, _ = run(tmp_path, records)
+    assert s.trained_seats_without_tokens == 3
+    assert [r["seat"] for r in train] == [0, 0, 0]
+
+
+def test_degenerate_groups_are_dropped_or_kept_on_request(tmp_path):
+    records = [
+        game("a1", "A", 1.0),
+        game("a2", "A", 1.0),
+        game("b1", "B", 0.2),
+        game("b2", "B", 0.4),
+    ]
+    s, train, _ = run(tmp_path, records)
+    assert {r["scenario_id"] for r in train} == {"B"}
+    assert s.groups_degenerate_dropped == 1
+    s, train, _ = run(tmp_path, records, keep_degenerate=True)
+    assert {r["scenario_id"] for r in train} == {"A", "B"}
+    assert (s.groups_degenerate_dropped, s.groups_degenerate_kept) == (0, 1)
+
+
+def test_a_single_row_group_is_never_written(tmp_path):
+    records = [
+        game("a1", "A", 0.3, seats=(LLM, FIXED)),  # A: one row only
+        game("b1", "B", 0.2),
+        game("b2", "B", 0.4),
+    ]
+    for keep in (False, True):
+        s, train, _ = run(tmp_path, records, keep_degenerate=keep)
+        assert {r["scenario_id"] for r in train} == {"B"}
+        assert s.groups_singleton_dropped == 1
+
+
+def test_all_degenerate_is_an_error_that_says_what_to_do(tmp_path):
+    records = [game("a1", "A", 0.0), game("a2", "A", 0.0)]
+    with pytest.raises(ConvertError, match="keep-degenerate"):
+        run(tmp_path, records)
+    assert not (tmp_path / "out" / "train.parquet").exists()
+    _, train, _ = run(tmp_path, records, keep_degenerate=True)
+    assert len(train) == 4
+
+
+def test_rows_over_max_length_are_dropped_before_grouping(tmp_path):
+    long = hand_tokens(0, turns=5)  # 3 + 5 * 5 - 3 = 25 tokens after trimming
+    records = [
+        game("a1", "A", 0.1, tokens=(long, hand_tokens(1))),
+        game("a2", "A", 0.9, tokens=(hand_tokens(0), hand_tokens(1))),
+    ]
+    s, train, _ = run(tmp_path, records, max_length=20, group_by="scenario-seat")
+    assert s.rows_dropped_over_max_length == 1
+    # seat 0 is left with one row: a singleton, dropped; seat 1 keeps its pair
+    assert s.groups_singleton_dropped == 1
+    assert sorted((r["game_id"], r["seat"]) for r in train) == [("a1", 1), ("a2", 1)]
+    assert max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in train) <= 20
+
+
+def test_a_seat_that_never_generated_is_dropped(tmp_path):
+    silent = SeatTokens(token_ids=[1, 2, 3], mask=[0, 0, 0], logprobs=[0.0] * 3)
+    records = [game(f"g{i}", "A", i / 2, tokens=(hand_tokens(0), silent)) for i in range(2)]
+    s, train, _ = run(tmp_path, records)
+    assert s.rows_dropped_no_own_tokens == 2
+    assert [r["seat"] for r in train] == [0, 0]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    games=st.lists(
+        st.tuples(
+            st.integers(0, 5),  # scenario
+            st.integers(0, 1),  # round
+            st.sampled_from([0.0, 0.5, 1.0]),  # reward
+            st.sampled_from([(True, True), (True, False), (False, True)]),  # trained seats
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    group_by=st.sampled_from(["scenario", "scenario-seat"]),
+    keep=st.booleans(),
+    val_fraction=st.sampled_from([0.0, 0.3, 0.6]),
+)
+def test_every_written_group_carries_a_signal(games, group_by, keep, val_fraction):
+    records = []
+    for i, (sc, rnd, reward, trained) in enumerate(games):
+        seats = tuple(LLM if t else FIXED for t in trained)
+        records.append(game(f"g{i}", f"s{sc}", reward, seats=seats, round=rnd))
+    # the groups a correct converter writes, computed independently
+    expected: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        for seat in (0, 1):
+            if r.seats[seat].trained:
+                key = f"{r.scenario_id}/r{r.round}" + (
+                    f"/seat{seat}" if group_by == "scenario-seat" else ""
+                )
+                expected[key].append(r.reward)
+    kept = {k for k, v in expected.items() if len(v) >= 2 and (keep or len(set(v)) > 1)}
+    with tempfile.TemporaryDirectory() as d:
+        cfg = dict(group_by=group_by, keep_degenerate=keep, val_fraction=val_fraction)
+        try:
+            s, train, val = run(Path(d), records, **cfg)
+        except ConvertError:
+            # nothing to write, or everything in validation: both are reported, never silent
+            assert not kept or all(is_val_scenario(k.split("/")[0], val_fraction) for k in kept)
+            return
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for row in train + val:
+        groups[row["group_id"]].append(row)
+    assert {rows[0]["group_key"] for rows in groups.values()} == kept
+    for rows in groups.values():
+        assert len(rows) >= 2
+        assert len({r["group_key"] for r in rows}) == 1
+        assert keep or variance([r["reward"] for r in rows]) > 0
+        assert all(r["extra_info"]["index"] == r["group_id"] for r in rows)
+    assert not {r["scenario_id"] for r in train} & {r["scenario_id"] for r in val}
+    assert s.rows_written == len(train) + len(val) == sum(len(expected[k]) for k in kept)
+    assert s.groups_written == len(kept)
+    if train + val:
+        rewards = [r["reward"] for r in train + val]
+        assert s.reward.mean == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+        assert s.reward.std == pytest.approx(math.sqrt(variance(rewards)), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# train / val split
+
+
+def test_train_and_val_scenarios_are_disjoint_and_the_split_is_stable(tmp_path):
+    records = [game(f"g{sc}-{k}", f"scen-{sc}", k / 3) for sc in range(40) for k in range(3)]
+    s, train, val = run(tmp_path / "a", records, val_fraction=0.3)
+    train_sc, val_sc = {r["scenario_id"] for r in train}, {r["scenario_id"] for r in val}
+    assert train_sc and val_sc and not train_sc & val_sc
+    assert train_sc | val_sc == {f"scen-{sc}" for sc in range(40)}
+    assert (s.scenarios_train, s.scenarios_val) == (len(train_sc), len(val_sc))
+    assert val_sc == {f"scen-{sc}" for sc in range(40) if is_val_scenario(f"scen-{sc}", 0.3)}
+    # the split depends on the scenario id only, not on the order of the file
+    shuffled = records[:]
+    random.Random(0).shuffle(shuffled)
+    _, train2, val2 = run(tmp_path / "b", shuffled, val_fraction=0.3)
+    assert {r["scenario_id"] for r in val2} == val_sc
+    assert sorted((r["game_id"], r["seat"]) for r in train2) == sorted(
+        (r["game_id"], r["seat"]) for r in train
+    )
+
+
+def test_group_ids_are_deterministic(tmp_path):
+    records = [game(f"g{sc}-{k}", f"s{sc}", k / 3) for sc in range(5) for k in range(3)]
+    _, a, _ = run(tmp_path / "a", records)
+    _, b, _ = run(tmp_path / "b", records)
+    assert [(r["group_id"], r["game_id"], r["seat"]) for r in a] == [
+        (r["group_id"], r["game_id"], r["seat"]) for r in b
+    ]
+    first_seen = {}
+    for r in sorted(a, key=lambda r: r["game_id"]):
+        first_seen.setdefault(r["group_id"], r["scenario_id"])
+    assert list(first_seen.items()) == [(i, f"s{i}") for i in range(5)]  # first appearance
+
+
+def test_everything_in_validation_is_an_error(tmp_path):
+    sid = next(f"s{i}" for i in range(1000) if is_val_scenario(f"s{i}", 0.5))
+    records = [game("a", sid, 0.1), game("b", sid, 0.2)]
+    with pytest.raises(ConvertError, match="val-fraction"):
+        run(tmp_path, records, val_fraction=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_torn_and_corrupt_lines_are_skipped_and_reported_with_their_line_number(tmp_path):
+    good = [game("a1", "A", 0.2), game("a2", "A", 0.8), game("a3", "A", 0.5)]
+    misaligned = orjson.loads(dump_record(game("x", "A", 0.9)))
+    misaligned["tokens"][0]["mask"].pop()
+    bad_mask = orjson.loads(dump_record(game("y", "A", 0.9)))
+    bad_mask["tokens"][1]["mask"][4] = 2
+    bad_ids = orjson.loads(dump_record(game("z", "A", 0.9)))
+    bad_ids["tokens"][0]["token_ids"][0] = "oops"
+    torn = dump_record(game("t", "A", 0.9))[:150]  # a write cut off by a crash, no newline
+    extra = {
+        2: orjson.dumps(misaligned) + b"\n",
+        3: b"{not json\n",
+        5: orjson.dumps(bad_mask) + b"\n",
+        6: orjson.dumps(bad_ids) + b"\n",
+        8: torn,
+    }
+    games = write(tmp_path / "games.jsonl", good, extra)
+    s = convert(ConvertConfig(games=games, out=tmp_path / "out", val_fraction=0))
+    assert s.games_read == 3
+    assert s.lines_skipped == 5
+    assert [line for line, _ in s.skipped] == [2, 3, 5, 6, 8]
+    reasons = dict(s.skipped)
+    assert "must have the same length" in reasons[2]
+    assert "not valid JSON" in reasons[3]
+    assert "mask values must be 0 or 1" in reasons[5]
+    assert "token_ids" in reasons[6]
+    assert "not valid JSON" in reasons[8]
+    assert {r["game_id"] for r in pq.read_table(s.train_path).to_pylist()} == {"a1", "a2", "a3"}
+
+
+def test_validate_records_checks_the_whole_record(tmp_path):
+    bad = orjson.loads(dump_record(game("x", "A", 0.9)))
+    bad["outcome"] = "won"  # not an Outcome: only full validation notices
+    lines = [game("a1", "A", 0.2), orjson.dumps(bad) + b"\n", game("a2", "A", 0.8)]
+    games = write(tmp_path / "games.jsonl", lines)
+    fast = convert(ConvertConfig(games=games, out=tmp_path / "fast", val_fraction=0))
+    assert (fast.games_read, fast.lines_skipped) == (3, 0)
+    full = convert(
+        ConvertConfig(games=games, out=tmp_path / "full", val_fraction=0, validate_records=True)
+    )
+    assert (full.games_read, full.lines_skipped) == (2, 1)
+    assert full.skipped[0][0] == 2 and "outcome" in full.skipped[0][1]
+
+
+def test_empty_input_is_a_clear_error_and_writes_nothing(tmp_path):
+    games = tmp_path / "games.jsonl"
+    for content in (b"", b"\n\n", b"{torn\n"):
+        games.write_bytes(content)
+        with pytest.raises(RecordError, match="no usable game records"):
+            convert(ConvertConfig(games=games, out=tmp_path / "out"))
+        assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_missing_input_is_a_clear_error(tmp_path):
+    with pytest.raises(RecordError, match="does not exist"):
+        convert(ConvertConfig(games=tmp_path / "nope.jsonl", out=tmp_path / "out"))
+
+
+def test_another_schema_version_is_an_error_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train.parquet").write_bytes(b"previous run")
+    other = orjson.loads(dump_record(game("x", "A", 0.9)))
+    other["schema_version"] = 2
+    games = write(
+        tmp_path / "games.jsonl",
+        [game("a1", "A", 0.2), game("a2", "A", 0.8), orjson.dumps(other) + b"\n"],
+    )
+    with pytest.raises(RecordError, match=r"games.jsonl:3: schema_version 2"):
+        convert(ConvertConfig(games=games, out=out))
+    assert [p.name for p in out.iterdir()] == ["train.parquet"]
+    assert (out / "train.parquet").read_bytes() == b"previous run"  # untouched
+
+
+def test_mixed_tokenizers_are_an_error(tmp_path):
+    records = [
+        game(
+            "a1",
+            "A",
+            0.2,
+            tokens=(hand_tokens(0, fingerprint="x"), hand_tokens(1, fingerprint="x")),
+        ),
+        game(
+            "a2",
+            "A",
+            0.8,
+            tokens=(hand_tokens(0, fingerprint="y"), hand_tokens(1, fingerprint="y")),
+        ),
+    ]
+    with pytest.raises(ConvertError, match="mixes tokenizers"):
+        run(tmp_path, records)
+
+
+def test_games_without_trained_tokens_are_an_error(tmp_path):
+    records = [game(f"g{i}", "A", i / 2, seats=(FIXED, FIXED)) for i in range(2)]
+    with pytest.raises(ConvertError, match="trained"):
+        run(tmp_path, records)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValidationError, match="val_fraction"):
+        ConvertConfig(games=Path("g"), out=Path("o"), val_fraction=1.0)
+    with pytest.raises(ValidationError, match="group_by"):
+        ConvertConfig(games=Path("g"), out=Path("o"), group_by="game")
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def test_cli_convert(tmp_path):
+    from selfplay.cli import app
+
+    games = write(tmp_path / "games.jsonl", [game(f"g{i}", "A", i / 3) for i in range(3)])
+    runner = CliRunner()
+    args = ["convert", "--games", str(games), "--out", str(tmp_path / "out")]
+    result = runner.invoke(app, [*args, "--val-fraction", "0", "--group-by", "scenario-seat"])
+    assert result.exit_code == 0, result.output
+    assert "rows written" in result.output
+    assert (tmp_path / "out" / "train.parquet").exists()
+    assert (tmp_path / "out" / SUMMARY_FILE).exists()
+    result = runner.invoke(app, [*args, "--group-by", "game"])
+    assert result.exit_code == 1
+    assert "--group-by" in " ".join(result.output.split())
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    result = runner.invoke(
+        app, ["convert", "--games", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o2")]
+    )
+    assert result.exit_code == 1
+    assert "no usable game records" in " ".join(result.output.split())  # rich wraps lines
