@@ -22,8 +22,8 @@ earlier rows of a group wait in an Arrow spool on disk; after the last line the 
 kept groups are copied over. Only per-group counts and reward ranges stay in memory. Everything is
 written under temporary names and renamed into place only when all of it succeeded. The train/val
 split is a hash of the scenario id, so no scenario is in both files and the split does not depend
-on file order. Group ids are the groups' order of first appearance in the file (so ids of dropped
-groups are missing). The JSON is read with orjson and only the needed fields are checked (schema
+on file order. Group ids are a stable hash of the group key, so the same games give the same ids
+in any file order (a resumed generate writes games in another order). The JSON is read with orjson and only the needed fields are checked (schema
 version, types, aligned token lists); ``validate_records`` adds full pydantic validation.
 """
 
@@ -63,6 +63,10 @@ MAX_REPORTED_SKIPS = 100  # the summary lists this many skipped lines; the count
 
 class ConvertError(ValueError):
     """The games cannot give a usable training set; the message says what to change."""
+
+
+class NoSignalError(ConvertError):
+    """Every group is degenerate (equal rewards) or a singleton: the games carry no signal."""
 
 
 class GroupBy(StrEnum):
@@ -203,7 +207,7 @@ class _LineCounts(NamedTuple):
 
 @dataclass(slots=True)
 class _Group:
-    gid: int  # order of first appearance in the file
+    gid: int  # group_id(key): independent of file order
     split: str  # "train" | "val"
     scenario_id: str
     rows: int = 0
@@ -222,6 +226,12 @@ def is_val_scenario(scenario_id: str, val_fraction: float) -> bool:
         return False
     h = hashlib.blake2b(scenario_id.encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2.0**64 < val_fraction
+
+
+def group_id(key: str) -> int:
+    """A non-negative int64 from the group key (blake2b), the same in every file order."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def group_key(group_by: GroupBy, scenario_id: str, round: int, seat: int) -> str:
@@ -571,7 +581,7 @@ class _Pass1:
 
     def __init__(self, config: ConvertConfig, summary: ConvertSummary, out: _Writers) -> None:
         self.config, self.summary, self.out = config, summary, out
-        self.groups: dict[str, _Group] = {}  # insertion order = first appearance = group id
+        self.groups: dict[str, _Group] = {}
         self.fingerprints: set[str] = set()
 
     def skip(self, lineno: int, reason: str) -> None:
@@ -589,7 +599,9 @@ class _Pass1:
         for row in rows:
             g = self.groups.get(row.group_key)
             if g is None:
-                g = self.groups[row.group_key] = _Group(len(self.groups), split, row.scenario_id)
+                g = self.groups[row.group_key] = _Group(
+                    group_id(row.group_key), split, row.scenario_id
+                )
             r = _f32(row.reward)
             g.rows += 1
             g.lo = min(g.lo, r)
@@ -767,7 +779,7 @@ def _decide_groups(state: _Pass1) -> pa.Array:
             s.groups_degenerate_dropped += 1
             s.rows_in_degenerate_groups_dropped += g.rows
     if not kept:
-        raise ConvertError(
+        raise NoSignalError(
             f"{cfg.games}: no group carries a training signal: of {s.groups_seen} groups, "
             f"{s.groups_degenerate_dropped} have the same reward on every row and "
             f"{s.groups_singleton_dropped} have a single row "

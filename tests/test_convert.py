@@ -22,6 +22,7 @@ from selfplay.convert import (
     ConvertError,
     ConvertSummary,
     convert,
+    group_id,
     is_val_scenario,
 )
 from selfplay.game import generate_scenario
@@ -142,8 +143,9 @@ def test_golden_conversion_of_a_small_file(tmp_path):
         ("a2", 1),
     ]
     row = train[1]  # a1, seat 1
+    gid = group_id("A/r0")
     assert row == {
-        "group_id": 0,
+        "group_id": gid,
         "group_key": "A/r0",
         "game_id": "a1",
         "scenario_id": "A",
@@ -165,9 +167,9 @@ def test_golden_conversion_of_a_small_file(tmp_path):
         "data_source": "selfplay/dialop-matching",
         "prompt": [{"role": "user", "content": "intro seat 1"}],
         "reward_model": {"style": "rule", "ground_truth": 0.5},
-        "extra_info": {"index": 0, "game_id": "a1", "seat": 1},
+        "extra_info": {"index": gid, "game_id": "a1", "seat": 1},
     }
-    assert {r["group_id"] for r in train} == {0}
+    assert {r["group_id"] for r in train} == {gid}
     assert [r["reward"] for r in train] == [0.5, 0.5, 1.0, 1.0]
     assert s.games_read == 4
     assert s.rows_candidate == 8
@@ -288,7 +290,7 @@ def test_scenario_seat_keeps_the_seats_apart(tmp_path):
     records = [game("a1", "A", 0.5), game("a2", "A", 1.0), game("a3", "A", 0.0)]
     s, train, _ = run(tmp_path, records, group_by="scenario-seat")
     keys = {r["group_key"]: r["group_id"] for r in train}
-    assert keys == {"A/r0/seat0": 0, "A/r0/seat1": 1}
+    assert keys == {"A/r0/seat0": group_id("A/r0/seat0"), "A/r0/seat1": group_id("A/r0/seat1")}
     for r in train:
         assert r["group_key"].endswith(f"seat{r['seat']}")
     assert s.groups_written == 2
@@ -459,10 +461,13 @@ def test_group_ids_are_deterministic(tmp_path):
     assert [(r["group_id"], r["game_id"], r["seat"]) for r in a] == [
         (r["group_id"], r["game_id"], r["seat"]) for r in b
     ]
-    first_seen = {}
-    for r in sorted(a, key=lambda r: r["game_id"]):
-        first_seen.setdefault(r["group_id"], r["scenario_id"])
-    assert list(first_seen.items()) == [(i, f"s{i}") for i in range(5)]  # first appearance
+    assert {r["group_id"]: r["scenario_id"] for r in a} == {
+        group_id(f"s{i}/r0"): f"s{i}" for i in range(5)
+    }
+    _, c, _ = run(tmp_path / "c", records[::-1])  # another file order: the same ids
+    assert sorted((r["group_id"], r["game_id"], r["seat"]) for r in c) == sorted(
+        (r["group_id"], r["game_id"], r["seat"]) for r in a
+    )
 
 
 def test_everything_in_validation_is_an_error(tmp_path):

@@ -1,0 +1,334 @@
+"""Offline GRPO: ``train(TrainConfig) -> TrainResult``.
+
+1. Check everything that can be checked without a device: the parquet (schema, rows), the
+   tokenizer fingerprint of the rows against ``--model``'s, batch sizes against the row count.
+2. GRPO advantages over the whole data set with verl's own function (groups are dataset-wide).
+3. Per step: the actor recomputes the old log-probs (and, with ``rollout_is="tis"``, verl's
+   truncated importance weights against the generator's log-probs); the reference worker gives
+   reference log-probs when a KL loss is on; verl's PPO-clip update runs on the batch.
+4. Save verl's checkpoint (resumable) and export a clean Hugging Face directory; write
+   metrics.json with one entry per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from selfplay.train.batch import (
+    Rows,
+    TrainDataError,
+    check_tokenizer,
+    collate,
+    read_rows,
+    row_advantages,
+    rows_from_table,
+)
+from selfplay.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIRNAME = "verl_checkpoint"
+METRICS_FILENAME = "metrics.json"
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step's numbers (means over its mini-batches)."""
+
+    step: int
+    epoch: int
+    rows: int
+    tokens: int
+    pg_loss: float
+    loss: float
+    kl: float | None  # KL loss vs the reference model (None without one)
+    ppo_kl: float  # approximate KL between the updated policy and the old log-probs
+    clip_frac: float
+    grad_norm: float
+    entropy: float  # mean per-token entropy of the policy before the step (own tokens)
+    lr: float
+    time_s: float
+    tokens_per_s: float
+    update_tokens_per_s: float
+    rollout_is_mean: float | None = None
+
+
+@dataclass
+class TrainResult:
+    model_dir: Path
+    checkpoint_dir: Path | None
+    metrics_path: Path
+    steps: list[StepMetrics] = field(default_factory=list)
+    rows: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What will be trained, decided before any model is loaded."""
+
+    rows: Rows
+    advantages: np.ndarray  # [N] one GRPO advantage per row
+    pad_id: int
+    batch_size: int
+    mini_batch_size: int
+    steps_per_epoch: int
+
+
+def _load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise TrainDataError(
+            f"cannot load the tokenizer of --model {model} ({e}); pass a local HF model directory"
+        ) from e
+
+
+def plan(cfg: TrainConfig) -> Plan:
+    """Read and check the rows and sizes; raise ``TrainDataError`` with what to do."""
+    from selfplay.models import tokenizer_fingerprint
+
+    table = read_rows(cfg.data)
+    tokenizer = _load_tokenizer(cfg.model)
+    check_tokenizer(table, tokenizer_fingerprint(tokenizer), cfg.model)
+    rows = rows_from_table(table, max_length=cfg.max_length)
+    if cfg.rollout_is == "tis" and not any(
+        any(lp != 0.0 for lp in row) for row in rows.rollout_logprobs
+    ):
+        raise TrainDataError(
+            "--rollout-is tis needs the generator's log-probs, but every rollout_logprobs value "
+            "is 0; generate with an engine that returns log-probs, or use --rollout-is none"
+        )
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    if pad_id is None:
+        raise TrainDataError(f"the tokenizer of {cfg.model} has neither a pad nor an EOS token")
+
+    n = len(rows)
+    mini = cfg.mini_batch_size or cfg.batch_size or n
+    if n < mini:
+        raise TrainDataError(
+            f"{n} training rows are too few for one mini-batch of {mini}; lower "
+            "--mini-batch-size / --batch-size (TRAIN_BATCH_SIZE) or generate more games"
+        )
+    if mini % cfg.world_size:
+        raise TrainDataError(
+            f"the mini-batch ({mini} rows) must split evenly over {cfg.world_size} devices"
+        )
+    batch = cfg.batch_size or (n // mini) * mini
+    batch = min(batch, (n // mini) * mini)
+    steps = n // batch
+    rest = n - steps * batch
+    if rest >= mini:
+        steps += 1  # a last, smaller batch of whole mini-batches
+    dropped = rest % mini if rest >= mini else rest
+    if dropped:
+        log.warning(
+            "%d of %d rows do not fill a mini-batch of %d and are left out of each epoch "
+            "(a different %d each epoch)",
+            dropped,
+            n,
+            mini,
+            dropped,
+        )
+    advantages = row_advantages(rows, std_norm=cfg.std_norm)
+    flat = int((advantages == 0).sum())
+    if flat == n:
+        raise TrainDataError(
+            "every GRPO group has equal rewards, so every advantage is 0 and training would "
+            "change nothing; groups must span games of one scenario with different outcomes"
+        )
+    if flat:
+        log.info("%d of %d rows have advantage 0 (their group's rewards are all equal)", flat, n)
+    return Plan(rows, advantages, pad_id, batch, mini, steps)
+
+
+def _epoch_batches(p: Plan, epoch: int, seed: int) -> list[np.ndarray]:
+    order = np.random.default_rng([seed, epoch]).permutation(len(p.rows))
+    batches, start = [], 0
+    for _ in range(p.steps_per_epoch):
+        size = min(p.batch_size, ((len(order) - start) // p.mini_batch_size) * p.mini_batch_size)
+        batches.append(np.sort(order[start : start + size]))
+        start += size
+    return batches
+
+
+def step_batch(p: Plan, idx: np.ndarray) -> dict[str, torch.Tensor]:
+    """The padded tensors of rows ``idx`` with their advantages (0 on mask-0 positions)."""
+    rows = p.rows.select(idx)
+    batch = collate(rows, p.pad_id)
+    adv = torch.from_numpy(p.advantages[idx]).float()[:, None]
+    batch["advantages"] = adv * batch["response_mask"].float()
+    return batch
+
+
+def add_old_log_probs(workers, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> dict:
+    """Old log-probs from the actor; TIS weights and reference log-probs where configured."""
+    extra: dict[str, float] = {}
+    out = workers.log_probs(batch, entropy=True)
+    batch["old_log_probs"] = out["log_probs"]
+    mask = batch["response_mask"].float()
+    if "entropy" in out:
+        extra["entropy"] = float((out["entropy"] * mask).sum() / mask.sum())
+    if cfg.rollout_is == "tis":
+        from verl.trainer.ppo.rollout_corr_helper import (
+            compute_rollout_correction_and_rejection_mask,
+        )
+
+        weights, _, metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=batch["old_log_probs"],
+            rollout_log_prob=batch["rollout_log_probs"],
+            response_mask=batch["response_mask"],
+            rollout_is="token",
+            rollout_is_threshold=cfg.tis_cap,
+        )
+        batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+        extra["rollout_is_mean"] = float(metrics.get("rollout_corr/rollout_is_mean", float("nan")))
+    if cfg.kl_coef > 0:
+        batch["ref_log_prob"] = workers.ref_log_probs(batch)
+    return extra
+
+
+_TRAIN_KEYS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "old_log_probs",
+    "advantages",
+    "rollout_is_weights",
+    "ref_log_prob",
+)
+
+
+def _mean(metrics: dict, key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    return float(np.mean([float(v) for v in values]))
+
+
+def _check_out(cfg: TrainConfig) -> None:
+    if (cfg.out / "config.json").exists():
+        raise FileExistsError(
+            f"{cfg.out} already holds a model; choose another --out or delete it first"
+        )
+    if cfg.resume_from is not None and not Path(cfg.resume_from).is_dir():
+        raise FileNotFoundError(
+            f"--resume-from {cfg.resume_from} is not a verl checkpoint directory"
+        )
+
+
+def train(
+    cfg: TrainConfig,
+    on_step: Callable[[StepMetrics, int], None] | None = None,
+) -> TrainResult:
+    """Run offline GRPO as ``cfg`` says; ``on_step(metrics, total_steps)`` after each step."""
+    _check_out(cfg)
+    p = plan(cfg)
+    total = p.steps_per_epoch * cfg.epochs
+    log.info(
+        "training %d rows: %d step(s) per epoch x %d epoch(s), batch %d, mini-batch %d, micro %d",
+        len(p.rows),
+        p.steps_per_epoch,
+        cfg.epochs,
+        p.batch_size,
+        p.mini_batch_size,
+        cfg.micro_batch_size,
+    )
+    torch.manual_seed(cfg.seed)
+    from selfplay.train.workers import open_workers
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    workers = open_workers(cfg, total)
+    result = TrainResult(
+        model_dir=cfg.out,
+        checkpoint_dir=None,
+        metrics_path=cfg.out / METRICS_FILENAME,
+        rows=len(p.rows),
+    )
+    try:
+        if cfg.resume_from is not None:
+            workers.load(str(cfg.resume_from))
+        step = 0
+        for epoch in range(cfg.epochs):
+            for idx in _epoch_batches(p, epoch, cfg.seed):
+                step += 1
+                t0 = time.perf_counter()
+                batch = step_batch(p, idx)
+                extra = add_old_log_probs(workers, batch, cfg)
+                t1 = time.perf_counter()
+                train_batch = {k: batch[k] for k in _TRAIN_KEYS if k in batch}
+                metrics = workers.update(
+                    train_batch, p.mini_batch_size, cfg.seed + step, entropy=cfg.entropy_coef > 0
+                )
+                t2 = time.perf_counter()
+                tokens = int(batch["attention_mask"].sum())
+                sm = StepMetrics(
+                    step=step,
+                    epoch=epoch,
+                    rows=len(idx),
+                    tokens=tokens,
+                    pg_loss=_mean(metrics, "actor/pg_loss") or 0.0,
+                    loss=_mean(metrics, "loss") or 0.0,
+                    kl=_mean(metrics, "kl_loss"),
+                    ppo_kl=_mean(metrics, "actor/ppo_kl") or 0.0,
+                    clip_frac=_mean(metrics, "actor/pg_clipfrac") or 0.0,
+                    grad_norm=_mean(metrics, "grad_norm") or 0.0,
+                    entropy=extra.get("entropy", _mean(metrics, "actor/entropy_loss") or 0.0),
+                    lr=_mean(metrics, "lr") or cfg.lr,
+                    time_s=t2 - t0,
+                    tokens_per_s=tokens / max(t2 - t0, 1e-9),
+                    update_tokens_per_s=tokens / max(t2 - t1, 1e-9),
+                    rollout_is_mean=extra.get("rollout_is_mean"),
+                )
+                result.steps.append(sm)
+                log.info(
+                    "step %d/%d: pg_loss %.4f, grad_norm %.3f, clip %.3f, %.0f tokens/s",
+                    step,
+                    total,
+                    sm.pg_loss,
+                    sm.grad_norm,
+                    sm.clip_frac,
+                    sm.tokens_per_s,
+                )
+                if on_step is not None:
+                    on_step(sm, total)
+        ckpt = cfg.out / CHECKPOINT_DIRNAME / f"global_step_{step}"
+        workers.save(str(ckpt), step)
+    finally:
+        workers.close()
+
+    from selfplay.train.export import export_hf_dir
+
+    export_hf_dir(ckpt / "huggingface", cfg.out, tokenizer_source=cfg.model)
+    if cfg.save_verl_checkpoint:
+        result.checkpoint_dir = ckpt
+    else:
+        shutil.rmtree(cfg.out / CHECKPOINT_DIRNAME, ignore_errors=True)
+    result.metrics_path.write_text(
+        json.dumps(
+            {
+                "config": cfg.model_dump(mode="json"),
+                "rows": len(p.rows),
+                "steps": [asdict(s) for s in result.steps],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return result

@@ -1,0 +1,330 @@
+"""verl's actor (and reference) workers, in-process or through Ray, behind one small interface.
+
+Both launchers run the same verl class, ``ActorRolloutRefWorker`` (role "actor", and role "ref"
+when a KL loss is asked for), built from the same OmegaConf config (``worker_config``):
+
+- ``LocalWorkers``: in this process, world size 1 -- the CPU (gloo, through ``selfplay.compat``)
+  or one GPU;
+- ``RayWorkers``: a Ray worker group with FSDP2 over the given GPUs, on a local Ray or on an
+  existing cluster (``ray_address``); the reference model is colocated with the actor.
+
+The trainer only calls ``log_probs``, ``ref_log_probs``, ``loss``, ``update``, ``save`` and
+``close``; each takes and returns CPU tensors in verl's padded layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Protocol
+
+import torch
+
+from selfplay.train.batch import from_nested, to_tensordict
+from selfplay.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class Workers(Protocol):
+    def log_probs(self, batch: dict[str, torch.Tensor], entropy: bool = False) -> dict: ...
+    def ref_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def loss(self, batch: dict[str, torch.Tensor]) -> float: ...
+    def update(
+        self, batch: dict[str, torch.Tensor], mini_batch_size: int, seed: int, entropy: bool = False
+    ) -> dict: ...
+    def save(self, path: str, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+_DTYPES = {"fp32": "fp32", "bf16": "bf16"}
+
+
+def worker_config(cfg: TrainConfig, total_steps: int):
+    """verl's ``actor_rollout_ref`` config for our settings (from verl's own defaults)."""
+    import verl
+    from omegaconf import OmegaConf
+
+    defaults = os.path.join(
+        os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_trainer.yaml"
+    )
+    root = OmegaConf.load(defaults)
+    a = root.actor_rollout_ref
+    micro = cfg.micro_batch_size
+    a.model.path = cfg.model
+    a.model.use_remove_padding = cfg.remove_padding
+    a.model.enable_gradient_checkpointing = cfg.gradient_checkpointing
+    a.model.override_config = {"attn_implementation": cfg.attn_implementation}
+    a.actor.strategy = "fsdp2"
+    a.actor.fsdp_config.strategy = "fsdp2"
+    a.actor.use_torch_compile = False
+    a.actor.fsdp_config.use_torch_compile = False
+    a.actor.fsdp_config.model_dtype = "fp32"  # master weights; compute dtype below
+    a.actor.fsdp_config.seed = cfg.seed
+    dtype = cfg.param_dtype
+    a.actor.fsdp_config.mixed_precision = {
+        "param_dtype": dtype,
+        "reduce_dtype": "fp32",
+        "buffer_dtype": "fp32",
+    }
+    a.actor.ppo_mini_batch_size = cfg.mini_batch_size or cfg.batch_size or micro
+    a.actor.ppo_micro_batch_size_per_gpu = micro
+    a.actor.use_dynamic_bsz = False
+    a.actor.clip_ratio = cfg.clip_ratio
+    a.actor.clip_ratio_low = cfg.clip_ratio
+    a.actor.clip_ratio_high = cfg.clip_ratio_high or cfg.clip_ratio
+    a.actor.loss_agg_mode = cfg.loss_agg
+    a.actor.entropy_coeff = cfg.entropy_coef
+    a.actor.use_kl_loss = cfg.kl_coef > 0
+    a.actor.kl_loss_coef = cfg.kl_coef
+    a.actor.kl_loss_type = cfg.kl_type
+    a.actor.ppo_epochs = 1
+    a.actor.optim.lr = cfg.lr
+    a.actor.optim.weight_decay = cfg.weight_decay
+    a.actor.optim.clip_grad = cfg.clip_grad
+    a.actor.optim.total_training_steps = max(1, total_steps)
+    a.actor.checkpoint.save_contents = ["model", "optimizer", "extra", "hf_model"]
+    a.actor.checkpoint.load_contents = ["model", "optimizer", "extra"]
+    a.rollout.n = 1
+    a.rollout.log_prob_micro_batch_size_per_gpu = micro
+    a.rollout.log_prob_use_dynamic_bsz = False
+    a.ref.log_prob_micro_batch_size_per_gpu = micro
+    a.ref.fsdp_config.strategy = "fsdp2"
+    a.ref.fsdp_config.model_dtype = "fp32"
+    a.ref.fsdp_config.mixed_precision = dict(a.actor.fsdp_config.mixed_precision)
+    a.ref.use_torch_compile = False
+    a.ref.fsdp_config.use_torch_compile = False
+    OmegaConf.resolve(root)
+    if cfg.device == "cpu":
+        from selfplay import compat
+
+        compat.adapt_worker_config_for_cpu(root.actor_rollout_ref)
+    return root.actor_rollout_ref
+
+
+def _meta(**extra: Any) -> dict[str, Any]:
+    return {"calculate_entropy": False, "compute_loss": False, **extra}
+
+
+class _Calls:
+    """The batch plumbing shared by both launchers: padded tensors <-> verl TensorDicts."""
+
+    actor: Any
+    ref: Any
+
+    def log_probs(self, batch: dict[str, torch.Tensor], entropy: bool = False) -> dict:
+        td = to_tensordict(_model_inputs(batch), **_meta(calculate_entropy=entropy))
+        out = self.actor.compute_log_prob(td)
+        from verl.utils import tensordict_utils as tu
+
+        result = {"log_probs": from_nested(tu.get(out, "log_probs"), td)}
+        if entropy and "entropy" in out:
+            result["entropy"] = from_nested(tu.get(out, "entropy"), td)
+        return result
+
+    def ref_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.ref is None:
+            raise RuntimeError("no reference worker was built (kl_coef is 0)")
+        from verl.utils import tensordict_utils as tu
+
+        td = to_tensordict(_model_inputs(batch), **_meta())
+        out = self.ref.compute_ref_log_prob(td)
+        return from_nested(tu.get(out, "log_probs"), td)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> float:
+        """The PPO loss of ``batch`` under the current weights, forward only (no update)."""
+        from verl.utils import tensordict_utils as tu
+
+        td = to_tensordict(
+            batch, **_meta(compute_loss=True, global_batch_size=len(batch["prompts"]))
+        )
+        out = self.actor.compute_log_prob(td)
+        return float(tu.get(out, "metrics")["loss"])
+
+    def update(
+        self,
+        batch: dict[str, torch.Tensor],
+        mini_batch_size: int,
+        seed: int,
+        entropy: bool = False,
+    ) -> dict:
+        """One verl update on ``batch``; ``entropy`` only when an entropy bonus is in the loss
+        (the trainer reports entropy from the no-grad old-log-prob pass instead)."""
+        from verl.utils import tensordict_utils as tu
+
+        td = to_tensordict(
+            batch,
+            calculate_entropy=entropy,
+            compute_loss=True,
+            global_batch_size=mini_batch_size,
+            mini_batch_size=mini_batch_size,
+            epochs=1,
+            seed=seed,
+            dataloader_kwargs={"shuffle": False},
+        )
+        out = self.actor.update_actor(td)
+        return tu.get(out, "metrics")
+
+    def save(self, path: str, step: int) -> None:
+        self.actor.save_checkpoint(local_path=path, global_step=step)
+
+    def load(self, path: str) -> None:
+        self.actor.load_checkpoint(local_path=path)
+
+
+_MODEL_INPUT_KEYS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+)
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in _MODEL_INPUT_KEYS}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_single_process_group(device: str) -> None:
+    """World size 1 in this process: gloo on the CPU, nccl (plus gloo for CPU tensors) on a GPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                "the in-process launcher runs world size 1; use --gpus N (Ray) for several devices"
+            )
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "1"),
+    ):
+        os.environ.setdefault(key, value)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+class LocalWorkers(_Calls):
+    """Actor (and reference) workers in this process, world size 1."""
+
+    def __init__(self, cfg: TrainConfig, total_steps: int):
+        from selfplay import compat
+
+        compat.check_verl_version()
+        if cfg.device == "cpu":
+            compat.install_cpu_platform()
+        elif not torch.cuda.is_available():
+            raise RuntimeError(
+                "--gpus was given but torch sees no CUDA device; use --gpus 0 for CPU"
+            )
+        _init_single_process_group(cfg.device)
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        config = worker_config(cfg, total_steps)
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = ActorRolloutRefWorker(config=config.copy(), role="ref")
+            self.ref.init_model()
+        self.actor = ActorRolloutRefWorker(config=config, role="actor")
+        self.actor.init_model()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The actor's current weights, gathered to full CPU tensors (for checks and tests)."""
+        module = self.actor.actor.engine.module
+        return {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in module.state_dict().items()
+        }
+
+    def close(self) -> None:
+        self.actor = None
+        self.ref = None
+
+
+class RayWorkers(_Calls):
+    """Actor (and colocated reference) workers as a Ray worker group on GPUs (or CPUs for tests)."""
+
+    def __init__(self, cfg: TrainConfig, total_steps: int):
+        import ray
+
+        from selfplay import compat
+
+        compat.check_verl_version()
+        cpu = cfg.device == "cpu"
+        env = compat.cpu_worker_env() if cpu else {"TOKENIZERS_PARALLELISM": "false"}
+        if cpu:
+            compat.install_cpu_platform()
+        self._started_ray = False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False}
+            if cfg.ray_address:
+                kwargs["address"] = cfg.ray_address
+            elif cpu:
+                kwargs["num_cpus"] = max(2, cfg.world_size)
+            ray.init(**kwargs)
+            self._started_ray = True
+        from verl.single_controller.ray import (
+            RayClassWithInitArgs,
+            RayResourcePool,
+            RayWorkerGroup,
+            create_colocated_worker_cls,
+        )
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        per_node = max(1, cfg.gpus)
+        pool = RayResourcePool([per_node] * cfg.nodes, use_gpu=not cpu, max_colocate_count=1)
+        config = worker_config(cfg, total_steps)
+        remote = ray.remote(ActorRolloutRefWorker)
+        device_name = "cpu" if cpu else "cuda"
+        if cfg.kl_coef > 0:
+            classes = {
+                "actor": RayClassWithInitArgs(remote, config=config, role="actor"),
+                "ref": RayClassWithInitArgs(remote, config=config, role="ref"),
+            }
+            group = RayWorkerGroup(
+                pool, create_colocated_worker_cls(classes), device_name=device_name
+            )
+            spawned = group.spawn(prefix_set=classes.keys())
+            self.ref = spawned["ref"]
+            self.ref.init_model()
+            self.actor = spawned["actor"]
+        else:
+            self.ref = None
+            self.actor = RayWorkerGroup(
+                pool,
+                RayClassWithInitArgs(remote, config=config, role="actor"),
+                device_name=device_name,
+            )
+        self.actor.init_model()
+
+    def close(self) -> None:
+        import ray
+
+        self.actor = None
+        self.ref = None
+        if self._started_ray:
+            ray.shutdown()
+
+
+def open_workers(cfg: TrainConfig, total_steps: int) -> LocalWorkers | RayWorkers:
+    """Build the workers ``cfg`` asks for (this is where the model is loaded)."""
+    if cfg.use_ray:
+        log.info("starting verl workers through Ray on %d %s(s)", cfg.world_size, cfg.device)
+        return RayWorkers(cfg, total_steps)
+    log.info("starting verl workers in-process on %s", cfg.device)
+    return LocalWorkers(cfg, total_steps)
