@@ -257,6 +257,24 @@ def test_plan_checks_sizes_and_flat_groups(tmp_path, tiny_model, fingerprint):
         plan(TrainConfig(data=data, model=str(tiny_model), out=tmp_path / "o"))
 
 
+@pytest.mark.parametrize(
+    ("groups", "per_group", "micro", "want"),
+    [(2, 4, 4, 4), (2, 3, 4, 3), (3, 3, 4, 3), (2, 5, 4, 2)],
+)
+def test_plan_micro_batch_divides_the_mini_batch(
+    tmp_path, tiny_model, fingerprint, groups, per_group, micro, want
+):
+    """verl asserts mini % micro == 0; any row count must train (13 rows once crashed)."""
+    from selfplay.train.trainer import plan
+
+    specs = simple_specs(groups=groups, per_group=per_group)
+    data = write_rows(tmp_path / "t.parquet", make_rows(specs, fingerprint=fingerprint))
+    cfg = TrainConfig(data=data, model=str(tiny_model), out=tmp_path / "o", micro_batch_size=micro)
+    p = plan(cfg)
+    assert p.mini_batch_size == groups * per_group
+    assert p.micro_batch_size == want and p.mini_batch_size % p.micro_batch_size == 0
+
+
 def test_cli_reports_bad_input_before_training(tmp_path, tiny_model, fingerprint, monkeypatch):
     from selfplay import cli
     from selfplay.train import workers

@@ -81,6 +81,7 @@ class Plan:
     batch_size: int
     mini_batch_size: int
     steps_per_epoch: int
+    micro_batch_size: int  # per device; divides mini_batch_size / world size (verl requires it)
 
 
 def _load_tokenizer(model: str):
@@ -151,7 +152,18 @@ def plan(cfg: TrainConfig) -> Plan:
         )
     if flat:
         log.info("%d of %d rows have advantage 0 (their group's rewards are all equal)", flat, n)
-    return Plan(rows, advantages, pad_id, batch, mini, steps)
+    per_device = mini // cfg.world_size
+    micro = max(
+        d for d in range(1, min(cfg.micro_batch_size, per_device) + 1) if per_device % d == 0
+    )
+    if micro != cfg.micro_batch_size:
+        log.info(
+            "micro-batch %d -> %d so that it divides the mini-batch (%d rows per device)",
+            cfg.micro_batch_size,
+            micro,
+            per_device,
+        )
+    return Plan(rows, advantages, pad_id, batch, mini, steps, micro)
 
 
 def _epoch_batches(p: Plan, epoch: int, seed: int) -> list[np.ndarray]:
@@ -240,6 +252,7 @@ def train(
     """Run offline GRPO as ``cfg`` says; ``on_step(metrics, total_steps)`` after each step."""
     _check_out(cfg)
     p = plan(cfg)
+    cfg = cfg.model_copy(update={"micro_batch_size": p.micro_batch_size})
     total = p.steps_per_epoch * cfg.epochs
     log.info(
         "training %d rows: %d step(s) per epoch x %d epoch(s), batch %d, mini-batch %d, micro %d",
