@@ -6,10 +6,13 @@ into its stage's config and calls the library. Library errors become one clear m
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 app = typer.Typer(
     help="Self-play RL for language models on the DialOp matching game.",
@@ -34,3 +37,385 @@ def fail(message: str) -> typer.Exit:
 
 
 # --- commands are added below, one function each -------------------------------------------
+
+
+@app.command("eval")
+def eval_cmd(
+    players: str = typer.Option(
+        "cooperative,cooperative",
+        help="Two scripted policies, seat 1 then seat 2: cooperative, no-talk, shy, random.",
+    ),
+    num_games: int = typer.Option(200, min=1, help="Games to play, one fresh scenario each."),
+    seed: int = typer.Option(7, help="Evaluation seed (its own seed space, never a training one)."),
+    table_size: int = typer.Option(8, min=3, max=8, help="Table size n (n reviewers, n papers)."),
+    max_actions: int = typer.Option(30, min=1, help="Actions per game before it ends unagreed."),
+    out: Path | None = typer.Option(None, help="Write the summary JSON here."),
+) -> None:
+    """Play scripted player pairs and report reward (95% CI), agreement, length and errors."""
+    from selfplay.evaluate import evaluate_scripted
+    from selfplay.players.scripted import SCRIPTED_NAMES
+
+    names = tuple(p.strip() for p in players.split(","))
+    if len(names) != 2 or any(n not in SCRIPTED_NAMES for n in names):
+        raise fail(
+            f"--players must be two of {', '.join(SCRIPTED_NAMES)} separated by a comma, "
+            f"got {players!r}"
+        )
+    summary = evaluate_scripted(
+        names, num_games=num_games, seed=seed, n=table_size, max_actions=max_actions
+    )
+    table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {num_games} games")
+    for key in ("reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate",
+                "mean_actions", "mean_words", "invalid_action_rate", "optimal_rate"):
+        table.add_row(key, f"{summary[key]:.4f}")
+    table.add_row("outcomes", json.dumps(summary["outcomes"]))
+    Console().print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+@app.command("train")
+def train(
+    data: Path = typer.Option(..., help="train.parquet written by `selfplay convert`."),
+    model: str = typer.Option(..., help="HF model directory the rows were generated with."),
+    out: Path = typer.Option(..., help="Output: HF model dir, verl checkpoint, metrics.json."),
+    epochs: int = typer.Option(1, help="Passes over the rows."),
+    lr: float = typer.Option(1e-6, help="Learning rate (AdamW)."),
+    batch_size: int | None = typer.Option(
+        None, envvar="TRAIN_BATCH_SIZE", help="Rows per step (default: all rows)."
+    ),
+    mini_batch_size: int | None = typer.Option(
+        None, help="Rows per optimizer update (default: the batch size)."
+    ),
+    micro_batch_size: int = typer.Option(
+        4, envvar="MICRO_BATCH_SIZE", help="Rows per forward/backward per device."
+    ),
+    loss_agg: str = typer.Option(
+        "token-mean",
+        help="token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
+        "seq-mean-token-sum-norm.",
+    ),
+    std_norm: bool = typer.Option(True, "--std-norm/--no-std-norm", help="GRPO std division."),
+    kl_coef: float = typer.Option(0.0, help="KL loss weight against the starting model."),
+    rollout_is: str = typer.Option(
+        "none", help="none: actor log-probs only; tis: truncated IS vs the rollout log-probs."
+    ),
+    gpus: int = typer.Option(0, help="GPUs per node (0: CPU, in-process)."),
+    ray_address: str | None = typer.Option(None, help="Existing Ray cluster to run on."),
+    nodes: int = typer.Option(1, help="Nodes of that Ray cluster."),
+    seed: int = typer.Option(0, help="Seed for shuffling and the engine."),
+    resume_from: Path | None = typer.Option(None, help="verl checkpoint dir to resume from."),
+) -> None:
+    """Offline GRPO with verl on converted rows; writes a Hugging Face model directory."""
+    from pydantic import ValidationError
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from selfplay.train import TrainConfig
+    from selfplay.train import train as run_training
+    from selfplay.train.batch import TrainDataError
+
+    try:
+        cfg = TrainConfig(
+            data=data, model=model, out=out, epochs=epochs, lr=lr, batch_size=batch_size,
+            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+            loss_agg=loss_agg, std_norm=std_norm, kl_coef=kl_coef, rollout_is=rollout_is,
+            gpus=gpus, ray_address=ray_address, nodes=nodes, seed=seed, resume_from=resume_from,
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "options"
+        raise fail(f"--{field.replace('_', '-')}: {err['msg']}") from None
+    columns = (
+        TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=None, info="loading")
+
+        def on_step(m, total: int) -> None:
+            info = (f"step {m.step}/{total} pg_loss {m.pg_loss:+.4f} grad {m.grad_norm:.3f} "
+                    f"clip {m.clip_frac:.3f} {m.tokens_per_s:.0f} tok/s")
+            progress.update(task, completed=m.step, total=total, info=info)
+
+        try:
+            result = run_training(cfg, on_step=on_step)
+        except (TrainDataError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+            raise fail(str(e)) from None
+    console.print(f"model: {result.model_dir}  metrics: {result.metrics_path}")
+    if result.checkpoint_dir is not None:
+        console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
+
+
+@app.command("generate")
+def generate(
+    num_games: int = typer.Option(200, envvar="NUM_GAMES", min=1, help="Games in total."),
+    out: Path | None = typer.Option(
+        None, help="Output folder (games.jsonl). Default: data/$EXP_NAME, else data/generate."
+    ),
+    model: str | None = typer.Option(
+        None, envvar="MODEL_NAME", help="HF id or local dir. Default: embedded SmolLM2-135M."
+    ),
+    engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
+    engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
+    temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
+    max_actions: int = typer.Option(30, envvar="MAX_LENGTH", min=1, help="Actions per game."),
+    max_invalid: int = typer.Option(3, min=1, help="Consecutive invalid actions that end a game."),
+    seed: int = typer.Option(0, min=0, help="Run seed: scenarios and sampling derive from it."),
+    round: int = typer.Option(0, "--round", min=0, help="Iteration round (part of every seed)."),
+    concurrency: int | None = typer.Option(None, min=1, help="Games in flight. Default: all."),
+    games_per_scenario: int = typer.Option(4, min=1, help="Games per scenario (a GRPO group)."),
+    table_size: int = typer.Option(8, min=3, max=8, help="Table size n."),
+    partner: str | None = typer.Option(
+        None, help="Scripted policy for seat 2 (cooperative, no-talk, shy, random); default: self."
+    ),
+    device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
+    max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together at most."),
+    sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
+    sglang_port: int = typer.Option(30000, help="sglang: port of the launched server."),
+    tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
+    mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
+    sglang_arg: list[str] = typer.Option(
+        [], help="sglang: extra server flag, repeatable (--sglang-arg=--random-seed=1)."
+    ),
+) -> None:
+    """Play self-play games through an engine; append each finished game to OUT/games.jsonl."""
+    import os
+    import signal
+
+    from pydantic import ValidationError
+    from rich.console import Console as _Console
+
+    from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
+    from selfplay.generate_config import GenerateConfig
+    from selfplay.models import resolve_model
+    from selfplay.players.llm import TemplateError
+    from selfplay.records import SamplingParams
+    from selfplay.runner import OutputMismatch, RichProgress, run_generate, summary_table
+
+    out = out or Path("data") / (os.environ.get("EXP_NAME") or "generate")
+    if engine not in ("hf", "sglang"):
+        raise fail(f"--engine must be hf or sglang, got {engine!r}")
+    if engine_url and engine != "sglang":
+        raise fail("--engine-url attaches to an SGLang server: add --engine sglang")
+    try:
+        model_path = resolve_model(model)
+        sampling = SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
+        )
+        cfg = GenerateConfig(
+            out=out, num_games=num_games, model=model_path, games_per_scenario=games_per_scenario,
+            concurrency=concurrency, seed=seed, round=round, table_size=table_size,
+            max_actions=max_actions, max_invalid=max_invalid, sampling=sampling, partner=partner,
+        )
+        if engine == "hf":
+            engine_cfg = HFEngineConfig(
+                model=model_path, device=device, max_batch_size=max_batch_size
+            )
+        else:
+            engine_cfg = SGLangEngineConfig(
+                model=model_path, url=engine_url, python=sglang_python, port=sglang_port,
+                tp_size=tp_size, mem_fraction=mem_fraction, extra_args=tuple(sglang_arg),
+                log_path=str(out / "sglang.log"),
+            )
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][-1]) if err["loc"] else "options"
+        raise fail(f"--{name.replace('_', '-')}: {err['msg']}") from None
+    except RuntimeError as e:
+        raise fail(str(e)) from None
+
+    def on_sigterm(signum, frame):  # stop like Ctrl-C, so the engine server is shut down
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        result = run_generate(cfg, engine_cfg, progress=RichProgress(console))
+    except KeyboardInterrupt:
+        console.print(f"[bold red]interrupted:[/] finished games are kept in {cfg.games_path}; "
+                      "re-run the same command to resume")
+        raise typer.Exit(130) from None
+    except (EngineFailure, OutputMismatch, TemplateError, OSError, RuntimeError) as e:
+        raise fail(str(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _Console().print(summary_table(result))
+
+
+@app.command("convert")
+def convert(
+    games: Path = typer.Option(..., help="games.jsonl written by `selfplay generate`."),
+    out: Path = typer.Option(
+        ..., help="Output folder: train.parquet, val.parquet, convert_summary.json."
+    ),
+    group_by: str = typer.Option(
+        "scenario",
+        help="GRPO groups: scenario (all games of a scenario, both seats) or scenario-seat.",
+    ),
+    val_fraction: float = typer.Option(0.05, help="Share of scenarios held out (by hash)."),
+    max_length: int = typer.Option(4096, help="Drop rows with more prompt+response tokens."),
+    keep_degenerate: bool = typer.Option(
+        False, "--keep-degenerate", help="Keep groups whose rewards are all equal (no signal)."
+    ),
+    validate_records: bool = typer.Option(
+        False, "--validate", help="Fully validate every record (slower)."
+    ),
+) -> None:
+    """Turn games into GRPO training rows: groups across games, split by scenario."""
+    from pydantic import ValidationError
+
+    from selfplay.convert import ConvertConfig, ConvertError
+    from selfplay.convert import convert as run_convert
+    from selfplay.records import RecordError
+
+    try:
+        cfg = ConvertConfig(
+            games=games,
+            out=out,
+            group_by=group_by,
+            val_fraction=val_fraction,
+            max_length=max_length,
+            keep_degenerate=keep_degenerate,
+            validate_records=validate_records,
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][-1]) if err["loc"] else "options"
+        raise fail(f"--{name.replace('_', '-')}: {err['msg']}") from None
+    try:
+        s = run_convert(cfg)
+    except (RecordError, ConvertError, OSError) as e:
+        raise fail(str(e)) from None
+    table = Table(title=f"convert {games}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    rows = {
+        "games read": s.games_read,
+        "lines skipped": s.lines_skipped,
+        "rows written (train / val)": f"{s.rows_written} ({s.rows_train} / {s.rows_val})",
+        "groups written (train / val)": f"{s.groups_written} ({s.groups_train} / {s.groups_val})",
+        "degenerate groups dropped": (
+            f"{s.groups_degenerate_dropped} ({s.rows_in_degenerate_groups_dropped} rows)"
+        ),
+        "singleton groups dropped": s.groups_singleton_dropped,
+        f"rows over {s.max_length} tokens dropped": s.rows_dropped_over_max_length,
+        "rows without own tokens dropped": s.rows_dropped_no_own_tokens,
+        "reward mean / std": f"{s.reward.mean:.4f} / {s.reward.std:.4f}",
+        "tokens p50 / p90 / p99 / max": (
+            f"{s.length_total.p50} / {s.length_total.p90} / {s.length_total.p99} / "
+            f"{s.length_total.max}"
+        ),
+        "games/s": f"{s.games_per_second:.0f}",
+    }
+    for key, value in rows.items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    console.print(f"wrote {s.train_path}, {s.val_path}, {out / 'convert_summary.json'}")
+
+
+@app.command("iterate")
+def iterate_cmd(
+    iterations: int = typer.Option(5, envvar="NUM_ITERATIONS", min=1, help="Rounds in total."),
+    games_per_iter: int = typer.Option(200, envvar="GAMES_PER_ITER", min=2),
+    epochs_per_iter: int = typer.Option(1, envvar="EPOCHS_PER_ITER", min=1),
+    model: str | None = typer.Option(
+        None, envvar=["INITIAL_MODEL", "MODEL_NAME"],
+        help="Initial model (HF id or dir). Default: embedded SmolLM2-135M-Instruct.",
+    ),
+    name: str = typer.Option("selfplay", envvar="EXP_NAME", help="Run name: data/NAME, checkpoints/NAME."),
+    data_root: Path = typer.Option(Path("data"), help="Where data/NAME goes."),
+    checkpoint_root: Path = typer.Option(Path("checkpoints"), help="Where checkpoints/NAME goes."),
+    seed: int = typer.Option(0, min=0),
+    engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
+    engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
+    device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1."),
+    max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together."),
+    sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
+    tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
+    mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
+    temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    max_new_tokens: int = typer.Option(256, min=1),
+    max_actions: int = typer.Option(30, envvar="MAX_LENGTH", min=1),
+    games_per_scenario: int = typer.Option(4, min=2, help="Games per scenario (a GRPO group)."),
+    concurrency: int | None = typer.Option(None, min=1),
+    table_size: int = typer.Option(8, min=3, max=8),
+    partner: str | None = typer.Option(None, help="Scripted policy for seat 2; default: self."),
+    group_by: str = typer.Option("scenario", help="scenario or scenario-seat."),
+    val_fraction: float = typer.Option(0.0, min=0.0, max=0.99),
+    max_length: int = typer.Option(4096, min=2, help="Rows longer than this are dropped."),
+    keep_degenerate: bool = typer.Option(False, help="Train even on groups with equal rewards."),
+    lr: float = typer.Option(1e-6),
+    batch_size: int | None = typer.Option(None, envvar="TRAIN_BATCH_SIZE"),
+    mini_batch_size: int | None = typer.Option(None),
+    micro_batch_size: int = typer.Option(4, envvar="MICRO_BATCH_SIZE"),
+    kl_coef: float = typer.Option(0.0),
+    gpus: int = typer.Option(0, help="Training GPUs (0: CPU)."),
+    force: bool = typer.Option(False, help="Resume even though the options changed."),
+    report: bool = typer.Option(True, help="Write the run report at the end."),
+) -> None:
+    """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
+    from pydantic import ValidationError
+
+    from selfplay.convert import ConvertError
+    from selfplay.engines import HFEngineConfig, SGLangEngineConfig
+    from selfplay.iterate import IterateConfig, IterateError, TrainOptions, iterate
+    from selfplay.models import resolve_model
+    from selfplay.records import RecordError, SamplingParams
+
+    try:
+        initial = resolve_model(model)
+        match engine:
+            case "hf":
+                engine_cfg = HFEngineConfig(model=initial, device=device,
+                                            max_batch_size=max_batch_size)
+            case "sglang":
+                engine_cfg = SGLangEngineConfig(model=initial, url=engine_url,
+                                                python=sglang_python, tp_size=tp_size,
+                                                mem_fraction=mem_fraction)
+            case _:
+                raise fail(f"--engine must be hf or sglang, got {engine!r}")
+        cfg = IterateConfig(
+            name=name, iterations=iterations, model=initial, games_per_iter=games_per_iter,
+            epochs_per_iter=epochs_per_iter, seed=seed, data_root=data_root,
+            checkpoint_root=checkpoint_root, engine=engine_cfg,
+            sampling=SamplingParams(temperature=temperature, top_p=top_p,
+                                    max_new_tokens=max_new_tokens),
+            games_per_scenario=games_per_scenario, concurrency=concurrency,
+            table_size=table_size, max_actions=max_actions, partner=partner, group_by=group_by,
+            val_fraction=val_fraction, max_length=max_length, keep_degenerate=keep_degenerate,
+            train=TrainOptions(lr=lr, batch_size=batch_size, mini_batch_size=mini_batch_size,
+                               micro_batch_size=micro_batch_size, kl_coef=kl_coef, gpus=gpus),
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "options"
+        raise fail(f"--{field.replace('_', '-')}: {err['msg']}") from None
+    try:
+        run = iterate(cfg, force=force)
+    except (IterateError, ConvertError, RecordError, FileExistsError) as e:
+        raise fail(str(e)) from None
+    console.print(f"run {name}: {iterations} round(s) in {run.path}")
+    if report:
+        from selfplay.report import write_report
+
+        console.print(f"report: {write_report(cfg.run_dir, n=table_size)}")
+
+
+@app.command("report")
+def report_cmd(
+    run: str = typer.Argument(..., help="Run name (data/RUN) or a run directory."),
+    data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives."),
+    table_size: int = typer.Option(8, min=3, max=8, help="Table size for the scripted baselines."),
+) -> None:
+    """Write PNG plots and REPORT.md for a run from its metrics.jsonl."""
+    from selfplay.report import ReportError, write_report
+
+    run_dir = Path(run) if Path(run).is_dir() else data_root / run
+    try:
+        out = write_report(run_dir, n=table_size)
+    except ReportError as e:
+        raise fail(str(e)) from None
+    console.print(f"report: {out}")

@@ -138,6 +138,7 @@ class ConvertSummary(BaseModel):
     rows_train: int = 0
     rows_val: int = 0
     groups_train: int = 0
+    groups_train_with_signal: int = 0  # train groups whose rewards differ (advantage != 0)
     groups_val: int = 0
     scenarios_train: int = 0
     scenarios_val: int = 0
@@ -771,6 +772,7 @@ def _decide_groups(state: _Pass1) -> pa.Array:
             s.groups_degenerate_kept += g.lo == g.hi
             if g.split == "train":
                 s.groups_train += 1
+                s.groups_train_with_signal += g.lo != g.hi
             else:
                 s.groups_val += 1
         elif g.rows < 2:

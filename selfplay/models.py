@@ -58,13 +58,14 @@ def embedded_model_dir(cache: Path | None = None) -> Path:
     return out
 
 
-def build_tiny_model(out: str | Path, *, seed: int = 0, vocab_size: int = 512) -> Path:
+def build_tiny_model(out: str | Path, *, seed: int = 0, vocab_size: int = 1024) -> Path:
     """Build a tiny random Qwen2 model and an offline-trained ChatML tokenizer into ``out``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     from selfplay.game.matching import PAPERS, REVIEWERS
+    from selfplay.game.prompts import INSTRUCTIONS
 
     out = Path(out)
     if (out / "config.json").exists():
@@ -76,6 +77,8 @@ def build_tiny_model(out: str | Path, *, seed: int = 0, vocab_size: int = 512) -
         "Reviewer Paper Similarity Scores: 0,1,2,3,4,5,6,7,8,9,10,120,345,,,",
         *REVIEWERS,
         *PAPERS,
+        # the game's own instructions, so prompts take few tokens and tests run fast
+        *(INSTRUCTIONS.format(n=n) for n in range(3, 9)),
     ] * 50
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token=None))

@@ -24,3 +24,66 @@ def human_games() -> list[dict]:
     if not HUMAN_GAMES.exists():
         pytest.skip("../shared/dialop-data is not beside the project")
     return [json.loads(line) for line in HUMAN_GAMES.read_text().splitlines() if line.strip()]
+
+
+def _prime(base: Path, out: Path, n: int = 3, steps: int = 100, seed: int = 0) -> Path:
+    """Teach the tiny model the move format on n x n tables with a few supervised steps.
+
+    Seat 1's first turn becomes a random full proposal and a pending proposal becomes "[accept]",
+    so sampled games reach agreements with different scores: rewards vary within a scenario and
+    GRPO groups carry a signal, which a random tiny model (all games invalid) never gives.
+    """
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from selfplay.game import generate_scenario
+    from selfplay.game.matching import format_proposal
+    from selfplay.game.prompts import intro
+    from selfplay.game.protocol import PROPOSAL_CHOICES
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+
+    def example() -> tuple[list[int], int]:
+        s = generate_scenario(int(rng.integers(1 << 30)), n, max_tables=50)
+        perm = rng.permutation(n)
+        proposal = "[propose] " + format_proposal([(int(r), p) for p, r in enumerate(perm)], n)
+        if rng.random() < 0.5:
+            user, answer = intro(s, 0), proposal
+        else:
+            user, answer = f"{intro(s, 1)}\n\nPartner: {proposal}\n{PROPOSAL_CHOICES}", "[accept]"
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return p_ids + a_ids, len(p_ids)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = [example() for _ in range(8)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (seq, start) in enumerate(batch):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, start : len(seq)] = torch.tensor(seq[start:])
+            attn[i, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def primed_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model after a few supervised steps on valid 3x3 moves (see _prime)."""
+    return _prime(tiny_model, tmp_path_factory.mktemp("models") / "primed")
