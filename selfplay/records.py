@@ -85,7 +85,7 @@ class SeatTokens(BaseModel):
                 f"token_ids ({n}), mask ({len(self.mask)}) and logprobs ({len(self.logprobs)}) "
                 "must have the same length"
             )
-        if any(m not in (0, 1) for m in self.mask):
+        if not set(self.mask) <= {0, 1}:
             raise ValueError("mask values must be 0 or 1")
         return self
 

@@ -5,7 +5,7 @@ plays a fixed policy:
 
 - ``cooperative``: shares all its known values in [message] turns, then proposes the best
   assignment under the merged knowledge; accepts a proposal worth at least ``accept_fraction`` of
-  its own best estimate.
+  its own best estimate, a bar that drops by 0.1 with each proposal it has rejected.
 - ``no-talk``: immediately proposes its own solo optimum; accepts anything.
 - ``shy``: never volunteers; answers only a direct question naming one reviewer and one paper with
   its own scaled value; judges proposals honestly by its own view.
@@ -150,6 +150,7 @@ class Cooperative(ScriptedPlayer):
         self.next_row = 0
         self.partner_values: dict[tuple[int, int], int] = {}
         self.partner_spoke = False
+        self.rejections = 0
 
     def observe(self, kind: str, body: str) -> None:
         if kind == "message":
@@ -184,8 +185,12 @@ class Cooperative(ScriptedPlayer):
         estimate = self.merged()
         best, best_value = best_assignment(estimate)
         if self.pending is not None:
-            if _value(estimate, self.pending) >= self.accept_fraction * best_value:
+            # Scale-ratio estimates differ between the seats, so two honest players can disagree
+            # forever; each rejection lowers the bar by 0.1 (never below 0.5) to settle.
+            bar = max(0.5, self.accept_fraction - 0.1 * self.rejections)
+            if _value(estimate, self.pending) >= bar * best_value:
                 return "[accept]"
+            self.rejections += 1
             return "[reject]"
         if not self.partner_spoke:
             return "[message] Please share the scores you know."

@@ -1,0 +1,199 @@
+"""Benchmark of `selfplay generate`: runner overhead, hf batching speed-up, memory vs games.
+
+  (a) synthetic engine (every batch answered after a fixed latency), 256 games x 30 actions:
+      wall time / ideal, ideal = 30 actions x latency (all games in lockstep). Target <= 1.15.
+  (b) hf engine, tiny random model, CPU: games/s with --concurrency 32 vs 1. Target ratio >= 4.
+  (c) peak RSS of a generate process (synthetic engine, --concurrency 32) with N and 10 N games:
+      it should stay flat (finished games go to disk, never stay in memory).
+
+Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c] [--latency 0.25,1.0]
+Everything is offline: the tiny model is built into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from selfplay.engines.synthetic import SyntheticEngine
+from selfplay.generate_config import GenerateConfig
+from selfplay.models import build_tiny_model
+from selfplay.players.llm import load_chat_format
+from selfplay.records import SamplingParams
+from selfplay.runner import generate_games
+
+MESSAGE = "[message] I know Ava Li on BLEU is 320 and Sofia Patel on GloVe is 122. And you?"
+
+
+def synthetic_run(
+    model: Path, out: Path, *, games: int, latency: float, concurrency=None, mode="serial"
+):
+    """Play ``games`` games of 30 message actions on the synthetic engine; (seconds, result)."""
+    chat = load_chat_format(str(model))
+    reply = [*chat.encode(MESSAGE), chat.stop_token_ids[0]]
+    cfg = GenerateConfig(
+        out=out,
+        num_games=games,
+        model=str(model),
+        concurrency=concurrency,
+        max_actions=30,
+        sampling=SamplingParams(max_new_tokens=64),
+    )
+
+    async def go():
+        engine = SyntheticEngine(reply, latency_s=latency, mode=mode)
+        try:
+            start = time.perf_counter()
+            result = await generate_games(cfg, engine, chat)
+            return time.perf_counter() - start, result, engine.batches
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(go())
+
+
+def part_a(model: Path, tmp: Path, latencies: list[float]) -> list[tuple]:
+    rows = []
+    seconds, _, _ = synthetic_run(model, tmp / "a-0", games=256, latency=0.0)
+    rows.append(
+        (
+            "(a0) runner CPU, no engine latency",
+            "256 games x 30 actions",
+            f"{seconds:.2f} s = {seconds / (256 * 30) * 1e6:.0f} us per action",
+            "",
+            "",
+        )
+    )
+    for mode in ("serial", "server"):
+        for lat in latencies:
+            seconds, result, batches = synthetic_run(
+                model, tmp / f"a-{mode}-{lat}", games=256, latency=lat, mode=mode
+            )
+            ideal = 30 * lat
+            assert result.stats.played == 256 and result.summary["mean_actions"] == 30
+            what = f"{batches} batches" if mode == "serial" else "continuous batching"
+            rows.append(
+                (
+                    f"(a) synthetic {mode} engine, 256 games x 30 actions",
+                    f"latency {lat:.2f} s",
+                    f"wall {seconds:.2f} s, ideal {ideal:.2f} s, {what}",
+                    f"{seconds / ideal:.3f}",
+                    "<= 1.15",
+                )
+            )
+    return rows
+
+
+def part_b(model: Path, tmp: Path, games: int = 64) -> list[tuple]:
+    """Two settings: decode-bound (3x3 table, 128 new tokens) and prefill-bound (8x8, 32).
+
+    The hf engine prefills each turn's whole conversation again (no prefix cache), and prefill
+    is compute-bound on CPU, so batching helps decoding far more than prefilling.
+    """
+    from selfplay.engines import HFEngineConfig
+    from selfplay.runner import run_generate
+
+    rows = []
+    for n, max_new in ((3, 128), (8, 32)):
+        rates = {}
+        for conc in (1, 32):
+            cfg = GenerateConfig(
+                out=tmp / f"b-{n}-{conc}",
+                num_games=games,
+                model=str(model),
+                concurrency=conc,
+                table_size=n,
+                sampling=SamplingParams(max_new_tokens=max_new),
+            )
+            result = run_generate(cfg, HFEngineConfig(model=str(model), device="cpu"))
+            st = result.stats
+            rates[conc] = (st.games_per_s, st.tokens_per_s, st.seconds)
+        ratio = rates[32][0] / rates[1][0]
+        detail = ", ".join(
+            f"c={c}: {g:.2f} games/s {t:.0f} tok/s ({s:.1f} s)" for c, (g, t, s) in rates.items()
+        )
+        rows.append(
+            (
+                f"(b) hf engine, tiny model, CPU, {games} games",
+                f"concurrency 32 vs 1; {n}x{n} table, {max_new} new tokens",
+                detail,
+                f"{ratio:.2f}x",
+                ">= 4",
+            )
+        )
+    return rows
+
+
+def part_c(model: Path, tmp: Path, base: int = 64) -> list[tuple]:
+    peaks = {}
+    for games in (base, 10 * base):
+        out = tmp / f"c-{games}"
+        cmd = [sys.executable, __file__, "--child", str(model), str(out), str(games)]
+        peaks[games] = json.loads(subprocess.check_output(cmd, text=True).strip().splitlines()[-1])
+    (n1, p1), (n2, p2) = peaks.items()
+    return [
+        (
+            "(c) peak RSS, synthetic engine, concurrency 32",
+            f"{n1} vs {n2} games",
+            f"{p1['rss_mib']:.0f} MiB vs {p2['rss_mib']:.0f} MiB; growth during the run "
+            f"{p1['growth_mib']:.0f} vs {p2['growth_mib']:.0f} MiB "
+            f"({p1['seconds']:.1f} s, {p2['seconds']:.1f} s)",
+            f"{p2['rss_mib'] / p1['rss_mib']:.3f}",
+            "~1.0 (flat)",
+        )
+    ]
+
+
+def child(model: str, out: str, games: int) -> None:
+    load_chat_format(model)  # imports and tokenizer first: the baseline is everything but games
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    seconds, result, _ = synthetic_run(
+        Path(model), Path(out), games=games, latency=0.005, concurrency=32
+    )
+    assert result.stats.played == games
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"rss_mib": rss, "growth_mib": rss - base, "seconds": seconds}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--part", default="a,b,c")
+    p.add_argument("--latency", default="0.25,1.0", help="(a): seconds per batch, comma-separated")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], int(args.child[2]))
+        return
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = build_tiny_model(tmp / "tiny")
+        rows = []
+        parts = set(args.part.split(","))
+        if "a" in parts:
+            rows += part_a(model, tmp, [float(x) for x in args.latency.split(",")])
+        if "b" in parts:
+            rows += part_b(model, tmp)
+        if "c" in parts:
+            rows += part_c(model, tmp)
+    table = Table(title="selfplay generate benchmark")
+    for col in ("benchmark", "setting", "measured", "result", "target"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

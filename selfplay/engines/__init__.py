@@ -1,0 +1,159 @@
+"""Inference engines: token-id prompts and sampling parameters in; ids, log-probs, text out.
+
+Engines are transport only and know nothing about games. Three kinds:
+
+- ``hf``: transformers in-process (CPU or GPU); concurrent requests go into padded batches.
+- ``sglang``: an SGLang server (launched as a subprocess or attached by URL), ``/generate`` with
+  ``input_ids``; the client imports nothing from sglang.
+- ``openai``: any OpenAI-compatible chat endpoint (messages in, text out) for fixed API partners;
+  it speaks ``ChatEngine``, not ``Engine``.
+
+``open_engine(config)`` is the one ``match`` that picks a token engine. A dead or unreachable
+engine raises ``EngineFailure`` (fatal for a run); a request the engine rejects raises
+``EngineRequestError`` (the game ends with outcome ``error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from selfplay.play import EngineFailure
+
+FinishReason = Literal["stop", "length", "abort"]
+
+__all__ = [
+    "ChatEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineFailure",
+    "EngineRequestError",
+    "FinishReason",
+    "Generation",
+    "GenerationRequest",
+    "HFEngineConfig",
+    "SGLangEngineConfig",
+    "open_engine",
+]
+
+
+class EngineRequestError(RuntimeError):
+    """The engine refused one request (too long, bad parameters): only that game fails."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One completion of a token-id prompt; ``seed`` makes the sample reproducible."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The sampled ids (a stop token included when one ended it) and their behaviour log-probs.
+
+    Log-probs are log-softmax(logits / temperature) before top-p renormalisation (as SGLang).
+    ``text`` is the engine's decoding, for display only; players decode ids themselves.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str = ""
+    prompt_tokens: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """A token-in/token-out engine. ``generate`` may be called concurrently from many games."""
+
+    name: str  # the model, as it goes into the records
+    max_context: int | None  # prompt + completion limit in tokens, when known
+
+    async def start(self) -> None:
+        """Get ready to serve (wait for a server's health). Called once before ``generate``."""
+        ...
+
+    async def generate(self, request: GenerationRequest) -> Generation: ...
+
+    async def aclose(self) -> None:
+        """Release the engine (stop batching, shut a launched server down). Idempotent."""
+        ...
+
+
+class ChatEngine(Protocol):
+    """A chat engine for API partners: messages in, one assistant text out."""
+
+    name: str
+
+    async def chat(
+        self, messages: list[dict[str, str]], *, temperature: float, top_p: float, max_tokens: int
+    ) -> tuple[str, FinishReason]: ...
+
+    async def aclose(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine configs: each engine sees only its own.
+
+
+class HFEngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["hf"] = "hf"
+    model: str
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_batch_size: int = Field(64, ge=1)
+    # torch CPU threads (process-wide). None: all cores but one, which the games' event loop
+    # needs; oversubscribed OpenMP threads made decoding 10-20x slower on a 2-core machine.
+    cpu_threads: int | None = Field(None, ge=1)
+
+
+class SGLangEngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["sglang"] = "sglang"
+    model: str
+    url: str | None = None  # attach to a running server instead of launching one
+    python: str = "python"  # the interpreter that has sglang installed (it may be another venv)
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    tp_size: int = Field(1, ge=1)
+    mem_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    extra_args: tuple[str, ...] = ()
+    log_path: str | None = None  # server stdout/stderr; None: a temporary file
+    startup_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    retries: int = Field(4, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+    max_connections: int = Field(1024, ge=1)
+
+
+EngineConfig = HFEngineConfig | SGLangEngineConfig
+
+
+def open_engine(config: EngineConfig) -> Engine:
+    """Build the engine a config names (an SGLang server is launched here, awaited in ``start``).
+
+    The caller owns the engine and must ``await engine.aclose()`` (also on Ctrl-C).
+    """
+    match config:
+        case HFEngineConfig():
+            from selfplay.engines.hf import HFEngine
+
+            return HFEngine(config)
+        case SGLangEngineConfig():
+            from selfplay.engines.sglang import SGLangEngine
+
+            return SGLangEngine(config)
+        case _:
+            raise ValueError(f"unknown engine config {type(config).__name__}")

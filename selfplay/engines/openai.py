@@ -1,0 +1,128 @@
+"""Any OpenAI-compatible chat endpoint (POST {base_url}/chat/completions), for fixed API partners.
+
+Messages in, one assistant text out (the ``ChatEngine`` protocol). The API key is read from an
+environment variable at construction and lives only in the request header: it is never logged,
+never put into an error message and never recorded. Transport errors, 429 and 5xx answers are
+retried with exponential backoff (honouring Retry-After); when the retries are spent the engine
+raises ``EngineFailure``. Other 4xx answers raise ``EngineRequestError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from selfplay.engines import EngineFailure, EngineRequestError, FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIEngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: str = "openai"
+    model: str  # e.g. gpt-4.1
+    base_url: str = "https://api.openai.com/v1"
+    api_key_env: str = "OPENAI_API_KEY"  # the variable's name, never its value
+    request_timeout_s: float = Field(120.0, gt=0)
+    retries: int = Field(5, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+    max_connections: int = Field(64, ge=1)
+
+
+class OpenAIEngine:
+    """A chat-completions client. Safe to call concurrently."""
+
+    def __init__(
+        self, config: OpenAIEngineConfig, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        self.name = config.model
+        key = os.environ.get(config.api_key_env)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._client = httpx.AsyncClient(
+            base_url=config.base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=config.max_connections),
+            transport=transport,
+        )
+        self.has_key = key is not None
+
+    def __repr__(self) -> str:  # never show the header
+        return f"OpenAIEngine(model={self.name!r}, base_url={self.config.base_url!r})"
+
+    async def start(self) -> None:
+        return None
+
+    async def chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+    ) -> tuple[str, FinishReason]:
+        body = {
+            "model": self.config.model,
+            "messages": messages,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+        }
+        c = self.config
+        problem = ""
+        for attempt in range(c.retries + 1):
+            try:
+                r = await self._client.post("/chat/completions", json=body)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                problem = type(e).__name__
+                await self._backoff(attempt, None)
+                continue
+            if r.status_code == 429 or r.status_code >= 500:
+                problem = f"HTTP {r.status_code}"
+                log.warning("%s: %s (attempt %d)", self.name, problem, attempt + 1)
+                await self._backoff(attempt, r.headers.get("retry-after"))
+                continue
+            if r.status_code >= 400:
+                raise EngineRequestError(
+                    f"{self.name} refused a request: HTTP {r.status_code}: {_error_text(r)}"
+                    + ("" if self.has_key else f" (${c.api_key_env} is not set)")
+                )
+            try:
+                choice = r.json()["choices"][0]
+                text = choice["message"]["content"] or ""
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                raise EngineFailure(f"{self.name}: unexpected chat completion answer: {e}") from e
+            finish = "length" if choice.get("finish_reason") == "length" else "stop"
+            return text, finish
+        raise EngineFailure(
+            f"{self.name} at {c.base_url} failed {c.retries + 1} times (last: {problem})"
+        )
+
+    async def _backoff(self, attempt: int, retry_after: str | None) -> None:
+        if attempt >= self.config.retries:
+            return
+        delay = self.config.backoff_s * 2**attempt
+        if retry_after:
+            with contextlib.suppress(ValueError):
+                delay = max(delay, float(retry_after))
+        await asyncio.sleep(delay)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        err = r.json().get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", ""))[:500]
+    except ValueError:
+        pass
+    return r.text[:500]

@@ -1,0 +1,375 @@
+"""Engines: the hf engine's batching and sampling, the SGLang client against the stand-in server
+(launched through a fake ``sglang.launch_server`` or attached by URL), the OpenAI chat client."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from selfplay.engines import (
+    EngineFailure,
+    EngineRequestError,
+    GenerationRequest,
+    HFEngineConfig,
+    SGLangEngineConfig,
+    open_engine,
+)
+from selfplay.engines.openai import OpenAIEngine, OpenAIEngineConfig
+from selfplay.engines.sglang import SGLangEngine
+from selfplay.engines.synthetic import SyntheticEngine
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+from sglang_standin import install_fake_sglang  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    return open_engine(HFEngineConfig(model=str(tiny_model), device="cpu", max_batch_size=16))
+
+
+def prompt(engine, text: str) -> list[int]:
+    return engine.tokenizer(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")[
+        "input_ids"
+    ]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def gather_close(engine, requests):
+    try:
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+    finally:
+        await engine.aclose()
+
+
+def fresh(hf):
+    """A new engine object over the same loaded model (each asyncio.run needs its own batcher)."""
+    from selfplay.engines.hf import HFEngine
+
+    return HFEngine(hf.config, model=hf.model, tokenizer=hf.tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# hf
+
+
+def test_hf_batch_matches_single_requests_and_a_full_forward(hf):
+    texts = ["hi", "a much longer prompt about Ava Li and BLEU and GloVe", "Proposal:"]
+    reqs = [GenerationRequest(prompt(hf, t), max_new_tokens=12, temperature=0.0) for t in texts]
+    batched = run(gather_close(fresh(hf), reqs))
+    for req, gen in zip(reqs, batched):
+        (single,) = run(gather_close(fresh(hf), [req]))
+        assert gen.token_ids == single.token_ids  # left padding does not change the answer
+        assert gen.finish_reason in ("stop", "length")
+        assert len(gen.logprobs) == len(gen.token_ids)
+        full = torch.tensor([list(req.prompt_ids) + gen.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf.model(full).logits[0].float(), -1)
+        n = len(req.prompt_ids)
+        ref = [logp[n - 1 + j, t].item() for j, t in enumerate(gen.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ref, gen.logprobs)) < 1e-4
+
+
+def test_hf_sampling_seed_temperature_and_logprob_convention(hf):
+    ids = prompt(hf, "hello")
+    a, b, c = run(
+        gather_close(
+            fresh(hf),
+            [
+                GenerationRequest(ids, max_new_tokens=16, temperature=0.7, seed=1),
+                GenerationRequest(ids, max_new_tokens=16, temperature=0.7, seed=1),
+                GenerationRequest(ids, max_new_tokens=16, temperature=0.7, seed=2),
+            ],
+        )
+    )
+    assert a.token_ids == b.token_ids
+    assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.token_ids != c.token_ids  # one seed per request: a GRPO group does not collapse
+    full = torch.tensor([ids + a.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf.model(full).logits[0].float() / 0.7, -1)
+    ref = [logp[len(ids) - 1 + j, t].item() for j, t in enumerate(a.token_ids)]
+    assert max(abs(x - y) for x, y in zip(ref, a.logprobs)) < 1e-4
+    # top_p -> 0 keeps only the most likely token: the same as greedy
+    (g,) = run(gather_close(fresh(hf), [GenerationRequest(ids, 8, temperature=0.0)]))
+    (p,) = run(gather_close(fresh(hf), [GenerationRequest(ids, 8, temperature=1.0, top_p=1e-6)]))
+    assert p.token_ids == g.token_ids
+
+
+def test_hf_stop_tokens_are_kept_and_context_limit_is_a_request_error(hf):
+    ids = prompt(hf, "stop")
+    every = tuple(range(len(hf.tokenizer)))
+    (gen,) = run(gather_close(fresh(hf), [GenerationRequest(ids, 8, stop_token_ids=every)]))
+    assert gen.finish_reason == "stop" and len(gen.token_ids) == 1 and len(gen.logprobs) == 1
+    engine = fresh(hf)
+    engine.max_context = len(ids)
+    with pytest.raises(EngineRequestError, match="no room"):
+        run(gather_close(engine, [GenerationRequest(ids, 8)]))
+
+
+def test_batcher_gathers_concurrent_requests_into_one_batch():
+    engine = SyntheticEngine([5, 6, 7], latency_s=0.05)
+    reqs = [GenerationRequest([1, 2], max_new_tokens=8, stop_token_ids=(7,)) for _ in range(50)]
+    gens = run(gather_close(engine, reqs))
+    assert engine.batches == 1
+    assert all(g.token_ids == [5, 6, 7] and g.finish_reason == "stop" for g in gens)
+    engine = SyntheticEngine([5, 6, 7], latency_s=0.0)
+    (g,) = run(gather_close(engine, [GenerationRequest([1], max_new_tokens=2)]))
+    assert g.token_ids == [5, 6] and g.finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------
+# sglang client against the stand-in
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "stand-in server exited"
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def standin(tiny_model):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(TESTS / "sglang_standin.py"),
+            "--model-path",
+            str(tiny_model),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def attach(url: str, model: str, **kw) -> SGLangEngine:
+    return SGLangEngine(SGLangEngineConfig(model=model, url=url, **kw))
+
+
+async def start_generate_close(engine, requests):
+    await engine.start()
+    return await gather_close(engine, requests)
+
+
+def test_sglang_client_is_token_exact_with_the_hf_engine(standin, hf, tiny_model):
+    ids = prompt(hf, "hello there")
+    stops = (hf.tokenizer.eos_token_id,)
+    reqs = [
+        GenerationRequest(ids, max_new_tokens=20, temperature=0.7, seed=s, stop_token_ids=stops)
+        for s in range(4)
+    ]
+    engine = attach(standin, str(tiny_model))
+
+    async def go():
+        await engine.start()
+        await engine.update_weights_from_disk(str(tiny_model))  # the stand-in only records it
+        return await gather_close(engine, reqs)
+
+    remote = run(go())
+    assert engine.max_context == hf.max_context  # read from /model_info
+    local = run(gather_close(fresh(hf), reqs))
+    for r, loc in zip(remote, local):
+        assert r.token_ids == loc.token_ids
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(r.logprobs, loc.logprobs))
+        assert r.finish_reason == loc.finish_reason
+
+
+def test_sglang_payload_and_response_parsing():
+    engine = attach("http://127.0.0.1:9", "m")
+    body = engine.payload(GenerationRequest([1, 2], 5, 0.5, 0.9, seed=3, stop_token_ids=(2,)))
+    assert body == {
+        "input_ids": [1, 2],
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "stop_token_ids": [2],
+            "sampling_seed": 3,
+        },
+        "return_logprob": True,
+    }
+    answer = {
+        "text": "x",
+        "output_ids": [99, 7, 8],  # some versions put prompt ids here: never read
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 8},
+            "completion_tokens": 2,
+            "prompt_tokens": 2,
+            "output_token_logprobs": [[-0.5, 7, None], [-0.1, 8, None]],
+        },
+    }
+    gen = SGLangEngine.parse(answer)
+    assert gen.token_ids == [7, 8] and gen.logprobs == [-0.5, -0.1]
+    assert gen.finish_reason == "stop"
+    answer["meta_info"]["completion_tokens"] = 3
+    with pytest.raises(EngineFailure, match="completion"):
+        SGLangEngine.parse(answer)
+    with pytest.raises(EngineFailure, match="return_logprob"):
+        SGLangEngine.parse({"text": "x", "meta_info": {}})
+
+
+def test_sglang_bad_request_is_a_request_error(standin, tiny_model, monkeypatch):
+    engine = attach(standin, str(tiny_model))
+    real = engine.payload
+
+    def with_unknown_key(request):
+        body = real(request)
+        body["sampling_params"]["no_such_key"] = 1
+        return body
+
+    async def go():
+        await engine.start()
+        monkeypatch.setattr(engine, "payload", with_unknown_key)
+        return await gather_close(engine, [GenerationRequest([1, 2, 3], 4)])
+
+    with pytest.raises(EngineRequestError, match="400"):
+        run(go())
+    # the same refusal at start-up (the probe request) fails the run once, with the reason
+    engine = attach(standin, str(tiny_model))
+    monkeypatch.setattr(engine, "payload", with_unknown_key)
+    with pytest.raises(EngineFailure, match="refused a probe request: HTTP 400"):
+        run(start_generate_close(engine, []))
+
+
+def test_sglang_unreachable_url_fails_clearly():
+    engine = attach(f"http://127.0.0.1:{free_port()}", "m", startup_timeout_s=1.0)
+
+    async def go():
+        try:
+            await engine.start()
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(EngineFailure, match="not healthy"):
+        run(go())
+
+
+def test_sglang_launch_health_dies_and_shuts_down(tiny_model, tmp_path, monkeypatch):
+    """Launch through `python -m sglang.launch_server` (the stand-in), then a crash mid-run."""
+    monkeypatch.setenv("PYTHONPATH", str(install_fake_sglang(tmp_path / "fake")))
+    pid_file = tmp_path / "server.pid"
+    config = SGLangEngineConfig(
+        model=str(tiny_model),
+        python=sys.executable,
+        port=free_port(),
+        extra_args=("--die-after", "4", "--pid-file", str(pid_file)),  # the probe + 3
+        log_path=str(tmp_path / "sglang.log"),
+        retries=2,
+        backoff_s=0.05,
+        startup_timeout_s=120,
+    )
+    engine = open_engine(config)
+    assert engine.command()[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    req = GenerationRequest([1, 2, 3], max_new_tokens=4, seed=0)
+
+    async def go():
+        await engine.start()
+        try:
+            ok = [await engine.generate(req) for _ in range(3)]
+            assert all(len(g.token_ids) == len(g.logprobs) > 0 for g in ok)
+            with pytest.raises(EngineFailure, match="exited with code 1"):
+                await engine.generate(req)
+        finally:
+            await engine.aclose()
+
+    run(go())
+    assert engine.process is not None and engine.process.poll() is not None
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_sglang_launch_with_a_missing_python_fails_clearly(tiny_model):
+    with pytest.raises(EngineFailure, match="sglang installed"):
+        open_engine(SGLangEngineConfig(model=str(tiny_model), python="/no/such/python"))
+
+
+# ---------------------------------------------------------------------------------------------
+# openai
+
+
+def test_openai_chat_retries_and_never_leaks_the_key(monkeypatch, caplog):
+    secret = "sk-test-SECRET-123"
+    monkeypatch.setenv("MY_KEY", secret)
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        assert request.headers["authorization"] == f"Bearer {secret}"
+        if len(calls) == 1:
+            return httpx.Response(429, headers={"retry-after": "0"}, json={"error": {}})
+        if b"bad" in request.content:
+            return httpx.Response(400, json={"error": {"message": "bad request"}})
+        return httpx.Response(
+            200, json={"choices": [{"message": {"content": "[accept]"}, "finish_reason": "stop"}]}
+        )
+
+    config = OpenAIEngineConfig(model="gpt-x", api_key_env="MY_KEY", backoff_s=0.0)
+    engine = OpenAIEngine(config, transport=httpx.MockTransport(handler))
+
+    async def go():
+        try:
+            text, finish = await engine.chat([{"role": "user", "content": "hi"}])
+            assert (text, finish) == ("[accept]", "stop")
+            with pytest.raises(EngineRequestError) as err:
+                await engine.chat([{"role": "user", "content": "bad"}])
+            return str(err.value)
+        finally:
+            await engine.aclose()
+
+    message = run(go())
+    assert len(calls) == 3
+    assert secret not in message and secret not in repr(engine) and secret not in caplog.text
+    assert secret not in config.model_dump_json()
+
+
+def test_openai_gives_up_after_retries():
+    engine = OpenAIEngine(
+        OpenAIEngineConfig(model="m", retries=1, backoff_s=0.0),
+        transport=httpx.MockTransport(lambda r: httpx.Response(503)),
+    )
+
+    async def go():
+        try:
+            await engine.chat([{"role": "user", "content": "hi"}])
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(EngineFailure, match="failed 2 times"):
+        run(go())
