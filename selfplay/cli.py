@@ -65,8 +65,16 @@ def eval_cmd(
         names, num_games=num_games, seed=seed, n=table_size, max_actions=max_actions
     )
     table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {num_games} games")
-    for key in ("reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate",
-                "mean_actions", "mean_words", "invalid_action_rate", "optimal_rate"):
+    for key in (
+        "reward_mean",
+        "reward_ci_low",
+        "reward_ci_high",
+        "agreement_rate",
+        "mean_actions",
+        "mean_words",
+        "invalid_action_rate",
+        "optimal_rate",
+    ):
         table.add_row(key, f"{summary[key]:.4f}")
     table.add_row("outcomes", json.dumps(summary["outcomes"]))
     Console().print(table)
@@ -117,25 +125,42 @@ def train(
 
     try:
         cfg = TrainConfig(
-            data=data, model=model, out=out, epochs=epochs, lr=lr, batch_size=batch_size,
-            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
-            loss_agg=loss_agg, std_norm=std_norm, kl_coef=kl_coef, rollout_is=rollout_is,
-            gpus=gpus, ray_address=ray_address, nodes=nodes, seed=seed, resume_from=resume_from,
+            data=data,
+            model=model,
+            out=out,
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            loss_agg=loss_agg,
+            std_norm=std_norm,
+            kl_coef=kl_coef,
+            rollout_is=rollout_is,
+            gpus=gpus,
+            ray_address=ray_address,
+            nodes=nodes,
+            seed=seed,
+            resume_from=resume_from,
         )
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or "options"
         raise fail(f"--{field.replace('_', '-')}: {err['msg']}") from None
     columns = (
-        TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[info]}"),
+        TextColumn("[bold]train"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=None, info="loading")
 
         def on_step(m, total: int) -> None:
-            info = (f"step {m.step}/{total} pg_loss {m.pg_loss:+.4f} grad {m.grad_norm:.3f} "
-                    f"clip {m.clip_frac:.3f} {m.tokens_per_s:.0f} tok/s")
+            info = (
+                f"step {m.step}/{total} pg_loss {m.pg_loss:+.4f} grad {m.grad_norm:.3f} "
+                f"clip {m.clip_frac:.3f} {m.tokens_per_s:.0f} tok/s"
+            )
             progress.update(task, completed=m.step, total=total, info=info)
 
         try:
@@ -206,9 +231,18 @@ def generate(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
         )
         cfg = GenerateConfig(
-            out=out, num_games=num_games, model=model_path, games_per_scenario=games_per_scenario,
-            concurrency=concurrency, seed=seed, round=round, table_size=table_size,
-            max_actions=max_actions, max_invalid=max_invalid, sampling=sampling, partner=partner,
+            out=out,
+            num_games=num_games,
+            model=model_path,
+            games_per_scenario=games_per_scenario,
+            concurrency=concurrency,
+            seed=seed,
+            round=round,
+            table_size=table_size,
+            max_actions=max_actions,
+            max_invalid=max_invalid,
+            sampling=sampling,
+            partner=partner,
         )
         if engine == "hf":
             engine_cfg = HFEngineConfig(
@@ -216,8 +250,13 @@ def generate(
             )
         else:
             engine_cfg = SGLangEngineConfig(
-                model=model_path, url=engine_url, python=sglang_python, port=sglang_port,
-                tp_size=tp_size, mem_fraction=mem_fraction, extra_args=tuple(sglang_arg),
+                model=model_path,
+                url=engine_url,
+                python=sglang_python,
+                port=sglang_port,
+                tp_size=tp_size,
+                mem_fraction=mem_fraction,
+                extra_args=tuple(sglang_arg),
                 log_path=str(out / "sglang.log"),
             )
     except ValidationError as e:
@@ -234,8 +273,10 @@ def generate(
     try:
         result = run_generate(cfg, engine_cfg, progress=RichProgress(console))
     except KeyboardInterrupt:
-        console.print(f"[bold red]interrupted:[/] finished games are kept in {cfg.games_path}; "
-                      "re-run the same command to resume")
+        console.print(
+            f"[bold red]interrupted:[/] finished games are kept in {cfg.games_path}; "
+            "re-run the same command to resume"
+        )
         raise typer.Exit(130) from None
     except (EngineFailure, OutputMismatch, TemplateError, OSError, RuntimeError) as e:
         raise fail(str(e)) from None
@@ -321,10 +362,13 @@ def iterate_cmd(
     games_per_iter: int = typer.Option(200, envvar="GAMES_PER_ITER", min=2),
     epochs_per_iter: int = typer.Option(1, envvar="EPOCHS_PER_ITER", min=1),
     model: str | None = typer.Option(
-        None, envvar=["INITIAL_MODEL", "MODEL_NAME"],
+        None,
+        envvar=["INITIAL_MODEL", "MODEL_NAME"],
         help="Initial model (HF id or dir). Default: embedded SmolLM2-135M-Instruct.",
     ),
-    name: str = typer.Option("selfplay", envvar="EXP_NAME", help="Run name: data/NAME, checkpoints/NAME."),
+    name: str = typer.Option(
+        "selfplay", envvar="EXP_NAME", help="Run name: data/NAME, checkpoints/NAME."
+    ),
     data_root: Path = typer.Option(Path("data"), help="Where data/NAME goes."),
     checkpoint_root: Path = typer.Option(Path("checkpoints"), help="Where checkpoints/NAME goes."),
     seed: int = typer.Option(0, min=0),
@@ -369,25 +413,49 @@ def iterate_cmd(
         initial = resolve_model(model)
         match engine:
             case "hf":
-                engine_cfg = HFEngineConfig(model=initial, device=device,
-                                            max_batch_size=max_batch_size)
+                engine_cfg = HFEngineConfig(
+                    model=initial, device=device, max_batch_size=max_batch_size
+                )
             case "sglang":
-                engine_cfg = SGLangEngineConfig(model=initial, url=engine_url,
-                                                python=sglang_python, tp_size=tp_size,
-                                                mem_fraction=mem_fraction)
+                engine_cfg = SGLangEngineConfig(
+                    model=initial,
+                    url=engine_url,
+                    python=sglang_python,
+                    tp_size=tp_size,
+                    mem_fraction=mem_fraction,
+                )
             case _:
                 raise fail(f"--engine must be hf or sglang, got {engine!r}")
         cfg = IterateConfig(
-            name=name, iterations=iterations, model=initial, games_per_iter=games_per_iter,
-            epochs_per_iter=epochs_per_iter, seed=seed, data_root=data_root,
-            checkpoint_root=checkpoint_root, engine=engine_cfg,
-            sampling=SamplingParams(temperature=temperature, top_p=top_p,
-                                    max_new_tokens=max_new_tokens),
-            games_per_scenario=games_per_scenario, concurrency=concurrency,
-            table_size=table_size, max_actions=max_actions, partner=partner, group_by=group_by,
-            val_fraction=val_fraction, max_length=max_length, keep_degenerate=keep_degenerate,
-            train=TrainOptions(lr=lr, batch_size=batch_size, mini_batch_size=mini_batch_size,
-                               micro_batch_size=micro_batch_size, kl_coef=kl_coef, gpus=gpus),
+            name=name,
+            iterations=iterations,
+            model=initial,
+            games_per_iter=games_per_iter,
+            epochs_per_iter=epochs_per_iter,
+            seed=seed,
+            data_root=data_root,
+            checkpoint_root=checkpoint_root,
+            engine=engine_cfg,
+            sampling=SamplingParams(
+                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
+            ),
+            games_per_scenario=games_per_scenario,
+            concurrency=concurrency,
+            table_size=table_size,
+            max_actions=max_actions,
+            partner=partner,
+            group_by=group_by,
+            val_fraction=val_fraction,
+            max_length=max_length,
+            keep_degenerate=keep_degenerate,
+            train=TrainOptions(
+                lr=lr,
+                batch_size=batch_size,
+                mini_batch_size=mini_batch_size,
+                micro_batch_size=micro_batch_size,
+                kl_coef=kl_coef,
+                gpus=gpus,
+            ),
         )
     except ValidationError as e:
         err = e.errors()[0]

@@ -23,8 +23,9 @@ kept groups are copied over. Only per-group counts and reward ranges stay in mem
 written under temporary names and renamed into place only when all of it succeeded. The train/val
 split is a hash of the scenario id, so no scenario is in both files and the split does not depend
 on file order. Group ids are a stable hash of the group key, so the same games give the same ids
-in any file order (a resumed generate writes games in another order). The JSON is read with orjson and only the needed fields are checked (schema
-version, types, aligned token lists); ``validate_records`` adds full pydantic validation.
+in any file order (a resumed generate writes games in another order). The JSON is read with
+orjson and only the needed fields are checked (schema version, types, aligned token lists);
+``validate_records`` adds full pydantic validation.
 """
 
 from __future__ import annotations
