@@ -7,12 +7,15 @@ table in the project reports the same numbers the same way.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable
+from typing import Literal
 
 import numpy as np
 from scipy import stats
 
+from selfplay.game.matching import mentions
 from selfplay.game.protocol import Outcome
 from selfplay.records import GameRecord
 
@@ -34,13 +37,14 @@ def summarize(records: Iterable[GameRecord]) -> dict:
     """Summary of a set of games. Keys (documented in README):
 
     games, reward_mean, reward_ci_low, reward_ci_high, reward_std, agreement_rate,
-    mean_actions, mean_words, invalid_action_rate, optimal_rate, questions_per_game,
-    outcomes {outcome: count}.
+    mean_actions, mean_words, invalid_action_rate, optimal_rate, outcomes {outcome: count}, and the
+    question statistics of ``_question_summary``.
     """
-    rewards, actions, words, invalid, optimal, questions = [], [], [], [], [], []
+    rewards, actions, words, invalid, optimal = [], [], [], [], []
+    qcounts: list[dict[str, int]] = []
     outcomes: Counter[str] = Counter()
     for r in records:
-        questions.append(sum(questions_by_seat(r)))
+        qcounts.append(question_counts(r))
         rewards.append(r.reward)
         actions.append(r.counts.get("actions", len(r.actions)))
         words.append(r.counts.get("words", 0))
@@ -61,50 +65,89 @@ def summarize(records: Iterable[GameRecord]) -> dict:
         "mean_words": float(np.mean(words)) if n else math.nan,
         "invalid_action_rate": sum(invalid) / total_actions if total_actions else 0.0,
         "optimal_rate": float(np.mean(optimal)) if n else math.nan,
-        "questions_per_game": float(np.mean(questions)) if n else math.nan,
+        **_question_summary(qcounts, rewards),
         "outcomes": dict(outcomes),
     }
 
 
 _QUESTION_WORDS = (
-    "what",
-    "which",
-    "who",
-    "whom",
-    "whose",
-    "how",
-    "why",
-    "where",
-    "when",
-    "do",
-    "does",
-    "did",
-    "can",
-    "could",
-    "would",
-    "will",
-    "is",
-    "are",
-    "should",
-    "any",
+    "what", "which", "who", "whom", "whose", "how", "why", "where", "when", "do", "does", "did",
+    "can", "could", "would", "will", "is", "are", "should", "any", "have", "has",
+)  # fmt: skip
+# Requests that ask without a question mark (the original analysis script's patterns among them).
+_ASKING = re.compile(
+    r"\b(score for|scores for|affinity between|similarity between|value for|tell me|"
+    r"let me know|share (your|the|what)|do you (know|have|see)|can you|could you)\b",
+    re.IGNORECASE,
 )
 
 
 def is_question(text: str) -> bool:
-    """A simple question detector: a '?' or a sentence opening with a question word."""
-    if "?" in text:
+    """A question: a '?', a sentence opening with a question word, or an asking phrase."""
+    if "?" in text or _ASKING.search(text):
         return True
-    for sentence in text.replace("!", ".").split("."):
+    for sentence in re.split(r"[.!;\n]", text):
         words = sentence.strip().lower().split()
-        if words and words[0] in _QUESTION_WORDS:
+        if words and words[0].strip(",:") in _QUESTION_WORDS:
             return True
     return False
 
 
-def questions_by_seat(record: GameRecord) -> tuple[int, int]:
-    """Valid [message] turns that ask a question, per seat."""
-    counts = [0, 0]
+def classify_question(text: str, n: int = 8) -> Literal["direct", "general", "none"]:
+    """direct: a question naming a reviewer and a paper (asks for a score); general: any other
+    question; none: not a question."""
+    if not is_question(text):
+        return "none"
+    reviewers, papers = mentions(text, n)
+    return "direct" if reviewers and papers else "general"
+
+
+def question_counts(record: GameRecord) -> dict[str, int]:
+    """Questions in valid [message] turns, per seat and kind: seat0_direct, seat0_general, ..."""
+    counts = {f"seat{s}_{k}": 0 for s in (0, 1) for k in ("direct", "general")}
     for a in record.actions:
-        if a.valid and a.kind == "message" and is_question(a.text.split("]", 1)[-1]):
-            counts[a.seat] += 1
-    return counts[0], counts[1]
+        if a.valid and a.kind == "message":
+            kind = classify_question(a.text.split("]", 1)[-1], record.scenario.n)
+            if kind != "none":
+                counts[f"seat{a.seat}_{kind}"] += 1
+    return counts
+
+
+def questions_by_seat(record: GameRecord) -> tuple[int, int]:
+    """Questions asked by each seat (direct and general)."""
+    c = question_counts(record)
+    return (c["seat0_direct"] + c["seat0_general"], c["seat1_direct"] + c["seat1_general"])
+
+
+def _question_summary(qcounts: list[dict[str, int]], rewards: list[float]) -> dict:
+    """questions_per_game (both seats), direct_/general_questions_per_game, questions_per_game_seat0
+    and _seat1, and question_reward_corr (Pearson r of a game's questions and its reward; nan when
+    either is constant)."""
+    if not qcounts:
+        keys = (
+            "questions_per_game",
+            "direct_questions_per_game",
+            "general_questions_per_game",
+            "questions_per_game_seat0",
+            "questions_per_game_seat1",
+            "question_reward_corr",
+        )
+        return dict.fromkeys(keys, math.nan)
+    direct = np.array([c["seat0_direct"] + c["seat1_direct"] for c in qcounts], float)
+    general = np.array([c["seat0_general"] + c["seat1_general"] for c in qcounts], float)
+    total = direct + general
+    seat = [
+        np.array([c[f"seat{s}_direct"] + c[f"seat{s}_general"] for c in qcounts]) for s in (0, 1)
+    ]
+    r = np.asarray(rewards, float)
+    corr = math.nan
+    if len(r) > 1 and total.std() > 0 and r.std() > 0:
+        corr = float(np.corrcoef(total, r)[0, 1])
+    return {
+        "questions_per_game": float(total.mean()),
+        "direct_questions_per_game": float(direct.mean()),
+        "general_questions_per_game": float(general.mean()),
+        "questions_per_game_seat0": float(seat[0].mean()),
+        "questions_per_game_seat1": float(seat[1].mean()),
+        "question_reward_corr": corr,
+    }

@@ -70,6 +70,52 @@ def _line_plot(rows, key, title, ylabel, path, *, ci=None, hlines=None) -> Path:
     return path
 
 
+def _questions_plot(rows, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    rounds = [r["round"] for r in rows]
+    for key, label in (
+        ("questions_per_game", "all"),
+        ("direct_questions_per_game", "direct (reviewer + paper)"),
+        ("general_questions_per_game", "general"),
+    ):
+        ax.plot(rounds, [r.get(key) for r in rows], marker="o", label=label)
+    ax.set(xlabel="round", ylabel="questions per game", title="Questions per game")
+    ax.set_xticks(rounds)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _reward_vs_questions(run_dir: Path, rows, path: Path) -> Path | None:
+    """Per-game reward against questions asked, one colour per round (needs the games files)."""
+    from selfplay.metrics import questions_by_seat
+    from selfplay.records import iter_game_records
+
+    points = []
+    for r in rows:
+        games = run_dir / f"round_{r['round']}" / "games.jsonl"
+        if games.exists():
+            for g in iter_game_records(games):
+                points.append((r["round"], sum(questions_by_seat(g)), g.reward))
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for k in sorted({p[0] for p in points}):
+        xs = [q for rk, q, _ in points if rk == k]
+        ys = [w for rk, _, w in points if rk == k]
+        ax.scatter(xs, ys, s=12, alpha=0.6, label=f"round {k}")
+    ax.set(xlabel="questions in the game", ylabel="normalised reward", title="Reward vs questions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def write_report(run_dir: str | Path, *, n: int = 8, baselines: dict | None = None) -> Path:
     """Write PNG plots and REPORT.md into ``run_dir``; return the REPORT.md path."""
     run_dir = Path(run_dir)
@@ -100,16 +146,17 @@ def write_report(run_dir: str | Path, *, n: int = 8, baselines: dict | None = No
             "share of actions",
             run_dir / "invalid.png",
         ),
-        "questions": _line_plot(
-            rows, "questions_per_game", "Questions per game", "questions", run_dir / "questions.png"
-        ),
+        "questions": _questions_plot(rows, run_dir / "questions.png"),
     }
+    scatter = _reward_vs_questions(run_dir, rows, run_dir / "reward_vs_questions.png")
+    if scatter is not None:
+        plots["reward vs questions"] = scatter
     md = [f"# Run report: {run_dir.name}", ""]
     md.append(
         "| round | games | reward [95% CI] | agreement | actions | words | invalid | questions "
-        "| pg_loss | kl | clip frac | train tok/s | update |"
+        "(direct) | q-reward r | pg_loss | kl | clip frac | train tok/s | update |"
     )
-    md.append("|---" * 13 + "|")
+    md.append("|---" * 14 + "|")
     for r in rows:
         t = r.get("train") or {}
 
@@ -121,7 +168,9 @@ def write_report(run_dir: str | Path, *, n: int = 8, baselines: dict | None = No
             f"[{f(r.get('reward_ci_low'))}, {f(r.get('reward_ci_high'))}] "
             f"| {f(r.get('agreement_rate'))} | {f(r.get('mean_actions'), '.2f')} "
             f"| {f(r.get('mean_words'), '.1f')} | {f(r.get('invalid_action_rate'))} "
-            f"| {f(r.get('questions_per_game'), '.2f')} | {f(t.get('pg_loss'), '.4f')} "
+            f"| {f(r.get('questions_per_game'), '.2f')} "
+            f"({f(r.get('direct_questions_per_game'), '.2f')}) "
+            f"| {f(r.get('question_reward_corr'), '.2f')} | {f(t.get('pg_loss'), '.4f')} "
             f"| {f(t.get('kl'), '.4f')} | {f(t.get('clip_frac'), '.3f')} "
             f"| {f(t.get('tokens_per_s'), '.0f')} "
             f"| {'skipped: ' + r['skip_reason'] if r.get('skip_reason') else 'trained'} |"

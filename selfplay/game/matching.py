@@ -361,3 +361,19 @@ def format_proposal(pairs: Pairs, n: int = 8) -> str:
     return "Proposal:\n" + "\n".join(
         f"{PAPERS_SHORT[p]}: {REVIEWERS[by_paper[p]]}" for p in range(n)
     )
+
+
+def mentions(text: str, n: int = 8) -> tuple[set[int], set[int]]:
+    """Reviewers (full, first or last name) and papers (short title) named in free text."""
+    low = text.casefold()
+    reviewers = set()
+    for i, name in enumerate(REVIEWERS[:n]):
+        first, last = name.casefold().split()
+        if re.search(rf"\b({re.escape(name.casefold())}|{first}|{last})\b", low):
+            reviewers.add(i)
+    papers = {
+        i
+        for i, short in enumerate(PAPERS_SHORT[:n])
+        if re.search(rf"\b{re.escape(short.casefold())}\b", low)
+    }
+    return reviewers, papers

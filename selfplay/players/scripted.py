@@ -30,8 +30,10 @@ from selfplay.game.matching import (
     Scenario,
     best_assignment,
     format_proposal,
+    mentions,
     parse_proposal,
 )
+from selfplay.metrics import is_question
 from selfplay.records import SeatConfig, SeatTokens
 
 ScriptedName = Literal["cooperative", "no-talk", "shy", "random"]
@@ -206,27 +208,6 @@ class NoTalk(ScriptedPlayer):
         return self.propose(best_assignment(_expected(self.view))[0])
 
 
-_QUESTION = re.compile(
-    r"\?|\b(what|which|who|how|whose|do you|can you|could you|tell me|share)\b", re.IGNORECASE
-)
-
-
-def _mentions(text: str, n: int) -> tuple[set[int], set[int]]:
-    """Reviewers (full, first or last name) and papers (short title) named in ``text``."""
-    low = text.casefold()
-    reviewers = set()
-    for i, name in enumerate(REVIEWERS[:n]):
-        first, last = name.casefold().split()
-        if re.search(rf"\b({re.escape(name.casefold())}|{first}|{last})\b", low):
-            reviewers.add(i)
-    papers = {
-        i
-        for i, s in enumerate(PAPERS_SHORT[:n])
-        if re.search(rf"\b{re.escape(s.casefold())}\b", low)
-    }
-    return reviewers, papers
-
-
 class Shy(ScriptedPlayer):
     name = "shy"
 
@@ -239,14 +220,14 @@ class Shy(ScriptedPlayer):
         self.last_message = body if kind == "message" else None
 
     def answer(self, message: str) -> str:
-        reviewers, papers = _mentions(message, self.n)
+        reviewers, papers = mentions(message, self.n)
         if len(reviewers) == 1 and len(papers) == 1:
             r, p = next(iter(reviewers)), next(iter(papers))
             value = self.view[r][p]
             if value is None:
                 return f"I don't know the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}."
             return f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}: {value}."
-        if _QUESTION.search(message):
+        if is_question(message):
             return "Hard to say in general. Some of them look fine to me."
         return "Okay."
 

@@ -1,0 +1,41 @@
+"""`selfplay report`: plots and REPORT.md from a run's metrics (and games, when present)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from selfplay.cli import app
+from selfplay.evaluate import play_scripted
+from selfplay.metrics import summarize
+from selfplay.records import append_records
+from selfplay.report import ReportError, write_report
+
+
+def test_report_from_a_run_directory(tmp_path):
+    run = tmp_path / "run"
+    lines = []
+    for k in range(2):
+        games = play_scripted(("cooperative", "shy"), num_games=4, seed=k, n=3)
+        (run / f"round_{k}").mkdir(parents=True)
+        append_records(run / f"round_{k}" / "games.jsonl", games)
+        train = {"pg_loss": 0.01, "kl": None, "clip_frac": 0.1, "tokens_per_s": 100.0}
+        lines.append(orjson.dumps({"round": k, **summarize(games), "train": train}))
+    (run / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    baselines = {"cooperative": 0.9, "no-talk": 0.8, "random": 0.6}
+    out = write_report(run, n=3, baselines=baselines)
+    text = out.read_text()
+    assert text.count("\n| 0 |") == 1 and text.count("\n| 1 |") == 1
+    assert "human reference 0.921" in text
+    for name in ("reward", "agreement", "actions", "invalid", "questions", "reward_vs_questions"):
+        png = run / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png.name})" in text
+
+
+def test_report_without_metrics_is_a_clear_error(tmp_path):
+    with pytest.raises(ReportError, match=r"metrics\.jsonl does not exist"):
+        write_report(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 1 and "selfplay iterate" in result.output
