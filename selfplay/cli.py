@@ -19,7 +19,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+# soft_wrap: messages keep paths and commands on one line (copyable, greppable)
+console = Console(stderr=True, soft_wrap=True)
 
 
 @app.callback()
@@ -28,6 +29,8 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not verbose:  # one INFO line per HTTP request drowns the run's own log
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def fail(message: str) -> typer.Exit:
@@ -41,17 +44,190 @@ def fail(message: str) -> typer.Exit:
 
 @app.command("eval")
 def eval_cmd(
-    players: str = typer.Option(
-        "cooperative,cooperative",
-        help="Two scripted policies, seat 1 then seat 2: cooperative, no-talk, shy, random.",
+    models: list[str] = typer.Option(
+        [],
+        "--models",
+        help="Models to evaluate: HF dirs or ids, or 'embedded'; comma-separated or repeated.",
     ),
-    num_games: int = typer.Option(200, min=1, help="Games to play, one fresh scenario each."),
-    seed: int = typer.Option(7, help="Evaluation seed (its own seed space, never a training one)."),
+    run: str | None = typer.Option(
+        None, help="Evaluate a run: its initial model and every trained checkpoint (manifest)."
+    ),
+    data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives (with --run)."),
+    partner: str | None = typer.Option(
+        None, help="Scripted policy for seat 2 (cooperative, no-talk, shy, random); default: self."
+    ),
+    num_scenarios: int | None = typer.Option(
+        None, min=1, help="Held-out scenarios (default 100); every row plays the same ones."
+    ),
+    games_per_scenario: int = typer.Option(1, min=1, help="Games per scenario (needs sampling)."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0: greedy, deterministic."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
+    baselines: str = typer.Option(
+        "cooperative,no-talk,random", help="Scripted baseline rows (comma-separated; '' for none)."
+    ),
+    cross_play: bool = typer.Option(
+        False, "--cross-play", help="Also play every ordered pair of models; matrix and gaps."
+    ),
+    concurrency: int | None = typer.Option(None, min=1, help="Games in flight per row."),
+    device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
+    max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together at most."),
+    human_data: Path | None = typer.Option(
+        None,
+        envvar="SELFPLAY_HUMAN_DATA",
+        help="DialOp optimization.jsonl for the human row (default: ../shared/dialop-data).",
+    ),
+    players: str | None = typer.Option(
+        None,
+        help="Scripted pair mode: two policies, seat 1 then seat 2 (cooperative, no-talk, shy, "
+        "random); the default mode when no --models or --run is given.",
+    ),
+    num_games: int | None = typer.Option(
+        None, min=1, help="Scripted pair mode: games, one fresh scenario each (default 200)."
+    ),
+    seed: int = typer.Option(7, min=0, help="Eval seed: picks the held-out scenarios (odd seeds)."),
     table_size: int = typer.Option(8, min=3, max=8, help="Table size n (n reviewers, n papers)."),
     max_actions: int = typer.Option(30, min=1, help="Actions per game before it ends unagreed."),
-    out: Path | None = typer.Option(None, help="Write the summary JSON here."),
+    max_invalid: int = typer.Option(3, min=1, help="Consecutive invalid actions that end a game."),
+    out: Path | None = typer.Option(
+        None,
+        help="Models: output folder (eval.json, eval.md, PNGs, games/; default data/eval or "
+        "data/RUN/eval). Scripted pair mode: the summary JSON file.",
+    ),
 ) -> None:
-    """Play scripted player pairs and report reward (95% CI), agreement, length and errors."""
+    """Evaluate models on held-out scenarios beside scripted baselines and humans.
+
+    With --models and/or --run: one table (reward with 95% CI, agreement, actions, words, invalid
+    rate, questions per game) written to OUT/eval.json and OUT/eval.md with plots; --cross-play
+    adds the model-pair matrix. A model that cannot load is reported and the rest are evaluated;
+    the exit status is 1 only when no model could be evaluated. Without them: the scripted pair
+    of --players (default cooperative,cooperative) on --num-games scenarios.
+    """
+    names = [m.strip() for item in models for m in item.split(",") if m.strip()]
+    if not names and run is None:
+        if num_scenarios is not None or cross_play or partner is not None:
+            raise fail("--num-scenarios, --partner and --cross-play need --models or --run")
+        _eval_scripted_pair(
+            players or "cooperative,cooperative",
+            num_games or 200,
+            seed,
+            table_size,
+            max_actions,
+            out,
+        )
+        return
+    if players is not None or num_games is not None:
+        raise fail(
+            "--players/--num-games evaluate a scripted pair; with --models or --run use "
+            "--partner and --num-scenarios"
+        )
+    _eval_models(
+        names,
+        run=run,
+        data_root=data_root,
+        out=out,
+        options=dict(
+            partner=partner,
+            num_scenarios=num_scenarios or 100,
+            games_per_scenario=games_per_scenario,
+            seed=seed,
+            table_size=table_size,
+            max_actions=max_actions,
+            max_invalid=max_invalid,
+            baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
+            cross_play=cross_play,
+            concurrency=concurrency,
+            device=device,
+            max_batch_size=max_batch_size,
+            human_data=human_data,
+        ),
+        sampling=dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens),
+    )
+
+
+def _eval_models(
+    names: list[str], *, run: str | None, data_root: Path, out: Path | None, options, sampling
+) -> None:
+    from pydantic import ValidationError
+
+    from selfplay.eval_report import row_cells, table_rows, write_eval_report
+    from selfplay.evaluate import (
+        EvalConfig,
+        EvalError,
+        ModelSpec,
+        run_eval,
+        run_models,
+        save_result,
+    )
+    from selfplay.records import SamplingParams
+
+    try:
+        specs = [ModelSpec(label=n, model=n) for n in names]
+        if run is not None:
+            specs += run_models(run, data_root)
+        out = out or (data_root / run / "eval" if run is not None else Path("data") / "eval")
+        cfg = EvalConfig(
+            models=tuple(specs), sampling=SamplingParams(**sampling), out=out, **options
+        )
+    except ValidationError as e:
+        import re
+
+        err = e.errors()[0]
+        name = str(err["loc"][-1]) if err["loc"] else "options"
+        if name.isdigit() or name in ("label", "model"):
+            name = "models"
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"] and (m := re.match(r"(\w+): (.*)", msg, re.S)):
+            name, msg = m.groups()  # a check across fields names its field first
+        raise fail(f"--{name.replace('_', '-')}: {msg}") from None
+    except EvalError as e:
+        raise fail(str(e)) from None
+    failed: EvalError | None = None
+    try:
+        result = run_eval(cfg)
+    except EvalError as e:
+        if e.result is None:
+            raise fail(str(e)) from None
+        failed, result = e, e.result
+    json_path = save_result(result, out / "eval.json")
+    files = write_eval_report(result, out)
+    table = Table(title=f"eval: {cfg.num_scenarios} held-out scenarios (seats in eval.md)")
+    for col in (
+        "row",
+        "games",
+        "reward",
+        "95% CI",
+        "agree",
+        "actions",
+        "words",
+        "invalid",
+        "q/game",
+    ):
+        table.add_column(col, justify="left" if col == "row" else "right", overflow="fold")
+    for r in table_rows(result):
+        cells = row_cells(r)  # name, seats, games, reward [lo, hi], agreement, ...
+        reward, _, ci = cells[3].partition(" ")
+        ci = ci.replace(", ", ",")
+        table.add_row(r.name, cells[2], reward, ci, *cells[4:])
+    Console().print(table)
+    if result.cross_play is not None:
+        cp = result.cross_play
+        for label in cp.models:
+            gap = cp.gap[label]
+            console.print(
+                f"cross-play {label}: self {cp.self_play[label]:.3f}, gap "
+                + ("–" if gap is None else f"{gap:+.3f}")
+            )
+    for msg in result.errors.values():
+        console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"wrote {json_path}, " + ", ".join(str(p) for p in files.values()))
+    if failed is not None:
+        raise typer.Exit(1)
+
+
+def _eval_scripted_pair(
+    players: str, num_games: int, seed: int, table_size: int, max_actions: int, out: Path | None
+) -> None:
     from selfplay.evaluate import evaluate_scripted
     from selfplay.players.scripted import SCRIPTED_NAMES
 
@@ -74,6 +250,7 @@ def eval_cmd(
         "mean_words",
         "invalid_action_rate",
         "optimal_rate",
+        "questions_per_game",
     ):
         table.add_row(key, f"{summary[key]:.4f}")
     table.add_row("outcomes", json.dumps(summary["outcomes"]))
@@ -193,8 +370,24 @@ def generate(
     concurrency: int | None = typer.Option(None, min=1, help="Games in flight. Default: all."),
     games_per_scenario: int = typer.Option(4, min=1, help="Games per scenario (a GRPO group)."),
     table_size: int = typer.Option(8, min=3, max=8, help="Table size n."),
-    partner: str | None = typer.Option(
-        None, help="Scripted policy for seat 2 (cooperative, no-talk, shy, random); default: self."
+    partner: str = typer.Option(
+        "self",
+        help="Who plays the other seat: self, scripted:NAME (cooperative, no-talk, shy, random; "
+        "a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat model, shy persona).",
+    ),
+    policy_seat: int = typer.Option(
+        1, min=1, max=2, help="The model's seat with a partner: 1, or 2 (the partner moves first)."
+    ),
+    partner_base_url: str | None = typer.Option(
+        None, help="openai partner: the endpoint (default https://api.openai.com/v1)."
+    ),
+    partner_key_env: str = typer.Option(
+        "OPENAI_API_KEY", help="openai partner: NAME of the environment variable with the key."
+    ),
+    partner_max_calls: int | None = typer.Option(
+        None,
+        min=1,
+        help="openai partner: paid calls in this run at most (cached answers are free).",
     ),
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
     max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together at most."),
@@ -206,7 +399,9 @@ def generate(
         [], help="sglang: extra server flag, repeatable (--sglang-arg=--random-seed=1)."
     ),
 ) -> None:
-    """Play self-play games through an engine; append each finished game to OUT/games.jsonl."""
+    """Play games through an engine (self-play or against --partner); append each finished game
+    to OUT/games.jsonl. An openai partner's key comes from $OPENAI_API_KEY (or --partner-key-env);
+    its answers are cached in OUT/partner_cache.jsonl."""
     import os
     import signal
 
@@ -243,6 +438,10 @@ def generate(
             max_invalid=max_invalid,
             sampling=sampling,
             partner=partner,
+            policy_seat=policy_seat,
+            partner_base_url=partner_base_url,
+            partner_key_env=partner_key_env,
+            partner_max_calls=partner_max_calls,
         )
         if engine == "hf":
             engine_cfg = HFEngineConfig(
@@ -386,7 +585,23 @@ def iterate_cmd(
     games_per_scenario: int = typer.Option(4, min=2, help="Games per scenario (a GRPO group)."),
     concurrency: int | None = typer.Option(None, min=1),
     table_size: int = typer.Option(8, min=3, max=8),
-    partner: str | None = typer.Option(None, help="Scripted policy for seat 2; default: self."),
+    partner: str = typer.Option(
+        "self",
+        help="Who plays the other seat: self, scripted:NAME (cooperative, no-talk, shy, random; "
+        "a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat model, shy persona).",
+    ),
+    policy_seat: int = typer.Option(
+        1, min=1, max=2, help="The model's seat with a partner: 1, or 2 (the partner moves first)."
+    ),
+    partner_base_url: str | None = typer.Option(
+        None, help="openai partner: the endpoint (default https://api.openai.com/v1)."
+    ),
+    partner_key_env: str = typer.Option(
+        "OPENAI_API_KEY", help="openai partner: NAME of the environment variable with the key."
+    ),
+    partner_max_calls: int | None = typer.Option(
+        None, min=1, help="openai partner: paid calls per round at most (cached answers are free)."
+    ),
     group_by: str = typer.Option("scenario", help="scenario or scenario-seat."),
     val_fraction: float = typer.Option(0.0, min=0.0, max=0.99),
     max_length: int = typer.Option(4096, min=2, help="Rows longer than this are dropped."),
@@ -404,7 +619,7 @@ def iterate_cmd(
     from pydantic import ValidationError
 
     from selfplay.convert import ConvertError
-    from selfplay.engines import HFEngineConfig, SGLangEngineConfig
+    from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
     from selfplay.iterate import IterateConfig, IterateError, TrainOptions, iterate
     from selfplay.models import resolve_model
     from selfplay.records import RecordError, SamplingParams
@@ -444,6 +659,10 @@ def iterate_cmd(
             table_size=table_size,
             max_actions=max_actions,
             partner=partner,
+            policy_seat=policy_seat,
+            partner_base_url=partner_base_url,
+            partner_key_env=partner_key_env,
+            partner_max_calls=partner_max_calls,
             group_by=group_by,
             val_fraction=val_fraction,
             max_length=max_length,
@@ -463,7 +682,7 @@ def iterate_cmd(
         raise fail(f"--{field.replace('_', '-')}: {err['msg']}") from None
     try:
         run = iterate(cfg, force=force)
-    except (IterateError, ConvertError, RecordError, FileExistsError) as e:
+    except (IterateError, ConvertError, RecordError, FileExistsError, EngineFailure) as e:
         raise fail(str(e)) from None
     console.print(f"run {name}: {iterations} round(s) in {run.path}")
     if report:

@@ -28,8 +28,9 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
 from selfplay.engines import HFEngineConfig, SGLangEngineConfig
 from selfplay.generate_config import GenerateConfig
@@ -96,7 +97,11 @@ class IterateConfig(BaseModel):
     table_size: int = Field(8, ge=3, le=8)
     max_actions: int = Field(30, ge=1)
     max_invalid: int = Field(3, ge=1)
-    partner: str | None = None
+    partner: str | None = None  # canonical (selfplay.partners): None, "shy", "openai:MODEL"
+    policy_seat: Literal[1, 2] = 1
+    partner_base_url: str | None = None
+    partner_key_env: str = partners.DEFAULT_KEY_ENV  # the variable's NAME; the key is never stored
+    partner_max_calls: int | None = Field(None, ge=1)  # per generate stage (each round)
     # convert
     group_by: GroupBy = GroupBy.SCENARIO
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
@@ -104,6 +109,29 @@ class IterateConfig(BaseModel):
     keep_degenerate: bool = False
     # train
     train: TrainOptions = TrainOptions()
+
+    @field_validator("partner")
+    @classmethod
+    def _known_partner(cls, v: str | None) -> str | None:
+        return partners.canonical_partner(v)
+
+    @field_validator("policy_seat")
+    @classmethod
+    def _policy_seat(cls, v: int, info: ValidationInfo) -> int:
+        return partners.check_policy_seat(v, info.data["partner"]) if "partner" in info.data else v
+
+    @field_validator("partner_base_url", "partner_max_calls")
+    @classmethod
+    def _api_only(cls, v, info: ValidationInfo):
+        if "partner" not in info.data:
+            return v
+        option = "--" + str(info.field_name).replace("_", "-")
+        return partners.check_api_only(v, info.data["partner"], option)
+
+    @field_validator("partner_key_env")
+    @classmethod
+    def _key_env(cls, v: str) -> str:
+        return partners.check_key_env(v)
 
     @property
     def run_dir(self) -> Path:
@@ -117,7 +145,23 @@ class IterateConfig(BaseModel):
 
     def identity(self) -> dict:
         """What a resume must not change (raising --iterations extends a run)."""
-        return self.model_dump(mode="json", exclude={"iterations"})
+        return config_identity(self.model_dump(mode="json"))
+
+
+# Options a resume may change: more rounds, a higher partner call cap, another key variable.
+RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env")
+# Options added after the first runs, with the value those runs had: a manifest written before
+# them still resumes when they are left at it.
+ADDED_LATER = {"policy_seat": 1, "partner_base_url": None}
+
+
+def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config dump (new or from a manifest) that a resume must keep."""
+    out = {k: v for k, v in dump.items() if k not in RESUMABLE}
+    for name, old in ADDED_LATER.items():
+        if out.get(name, old) == old:
+            out.pop(name, None)
+    return out
 
 
 class StageRecord(BaseModel):
@@ -199,8 +243,7 @@ class Run:
             self.save()
 
     def _check_same(self, force: bool) -> None:
-        old = dict(self.manifest.config)
-        old.pop("iterations", None)
+        old = config_identity(self.manifest.config)
         new = self.config.identity()
         diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
         if diff and not force:
@@ -289,6 +332,10 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             max_invalid=cfg.max_invalid,
             sampling=cfg.sampling,
             partner=cfg.partner,
+            policy_seat=cfg.policy_seat,
+            partner_base_url=cfg.partner_base_url,
+            partner_key_env=cfg.partner_key_env,
+            partner_max_calls=cfg.partner_max_calls,
         )
         log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
         generate(gen_cfg, engine_cfg)

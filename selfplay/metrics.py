@@ -82,13 +82,19 @@ _ASKING = re.compile(
 )
 
 
+# Statements of ignorance that contain an asking phrase ("I don't know the score for ...").
+_NOT_ASKING = re.compile(r"^\s*(i (don't|do not|dont) know|i have no|no idea)\b", re.IGNORECASE)
+
+
 def is_question(text: str) -> bool:
     """A question: a '?', a sentence opening with a question word, or an asking phrase."""
-    if "?" in text or _ASKING.search(text):
+    if "?" in text:
         return True
     for sentence in re.split(r"[.!;\n]", text):
+        if _NOT_ASKING.search(sentence):
+            continue
         words = sentence.strip().lower().split()
-        if words and words[0].strip(",:") in _QUESTION_WORDS:
+        if _ASKING.search(sentence) or (words and words[0].strip(",:") in _QUESTION_WORDS):
             return True
     return False
 

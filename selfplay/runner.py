@@ -1,7 +1,8 @@
 """Play many self-play games at once and append each finished game to ``OUT/games.jsonl``.
 
 - Games are planned deterministically: scenario ``i`` has seed SeedSequence(run seed, round, i),
-  and its ``K`` games (``games_per_scenario``, so GRPO can compare them) have ids
+  made even (``scenario_seed``; evaluation seeds are odd, so eval never replays a training
+  scenario), and its ``K`` games (``games_per_scenario``, so GRPO can compare them) have ids
   ``r{round}-s{scenario seed}-g{k}`` and seeds SeedSequence(run seed, round, i, k). Every sampling
   seed of a game derives from its seed (see ``LLMPlayer``), which the record stores.
 - Up to ``concurrency`` games are in flight (default: all missing games), all sharing one engine
@@ -12,6 +13,11 @@
   games the folder contains; a re-run with different ones is refused with the differences named.
 - An ``EngineFailure`` (dead server) stops the run: games in flight are cancelled, every finished
   game is kept, and the error says how to resume. Ctrl-C does the same.
+- With a partner (``selfplay.partners``) the model plays seat ``policy_seat`` (its only trained
+  seat) and a scripted policy or an API chat model the other; ``policy_seat`` 2 lets the partner
+  move first. An API partner is one ``PartnerClient`` per run (concurrency, reply cache in
+  ``OUT/partner_cache.jsonl``, call cap); its spend goes into the summary (``partner``) and one
+  line per run in ``OUT/partner_usage.jsonl``. Its spent cap stops the run like an engine failure.
 """
 
 from __future__ import annotations
@@ -36,7 +42,16 @@ from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.generate_config import GenerateConfig
 from selfplay.metrics import summarize
+from selfplay.partners import OpenAIPartner, ScriptedPartner, SelfPlay, parse_partner
 from selfplay.play import play_game
+from selfplay.players import Player
+from selfplay.players.api import (
+    ApiPartner,
+    ApiPartnerConfig,
+    PartnerCallCap,
+    PartnerClient,
+    open_partner_client,
+)
 from selfplay.players.llm import ChatFormat, LLMPlayer, derive_seed, load_chat_format
 from selfplay.records import GameRecord, append_records, repair_jsonl_tail
 
@@ -54,9 +69,14 @@ class OutputMismatch(ValueError):
 
 
 def scenario_seed(seed: int, round: int, index: int) -> int:
-    return int(
-        np.random.SeedSequence([TRAIN_SPACE, seed, round, index]).generate_state(1, np.uint64)[0]
-    )
+    """Scenario seed of training scenario ``index``: always even, so never an evaluation seed.
+
+    A 63-bit SeedSequence hash of (TRAIN_SPACE, seed, round, index) shifted left by one; the
+    held-out scenarios of ``selfplay eval`` (``evaluate.eval_scenario_seed``) set the low bit, so
+    the two sets are disjoint by construction, whatever the seeds.
+    """
+    words = [TRAIN_SPACE, seed, round, index]
+    return (int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0]) >> 1) << 1
 
 
 def game_seed(seed: int, round: int, index: int, k: int) -> int:
@@ -316,8 +336,14 @@ class _Scenarios:
 
 
 def make_players(
-    config: GenerateConfig, spec: GameSpec, scenario: Scenario, engine: Engine, chat: ChatFormat
-):
+    config: GenerateConfig,
+    spec: GameSpec,
+    scenario: Scenario,
+    engine: Engine,
+    chat: ChatFormat,
+    partner_client: PartnerClient | None = None,
+) -> tuple[Player, Player]:
+    """The two seats of one game: the model in both (self-play) or in ``policy_seat`` only."""
     from selfplay.players.scripted import make_scripted
 
     def llm(seat: int) -> LLMPlayer:
@@ -329,9 +355,39 @@ def make_players(
             name=config.model,
         )
 
-    if config.partner is None:
-        return llm(0), llm(1)
-    return llm(0), make_scripted(config.partner, scenario, 1, seed=derive_seed(spec.seed, 1))
+    policy = config.policy_seat - 1
+    other = 1 - policy
+    partner: Player
+    match parse_partner(config.partner):
+        case SelfPlay():
+            return llm(0), llm(1)
+        case ScriptedPartner(name=name):
+            partner = make_scripted(name, scenario, other, seed=derive_seed(spec.seed, other))
+        case OpenAIPartner():
+            if partner_client is None:
+                raise ValueError(
+                    f"partner {config.partner} needs a PartnerClient: pass partner_client "
+                    "(run_generate opens one from the config)"
+                )
+            partner = ApiPartner(partner_client)
+    return (llm(0), partner) if policy == 0 else (partner, llm(1))
+
+
+def partner_config(config: GenerateConfig) -> ApiPartnerConfig | None:
+    """The API partner of a generate config (None for self-play and scripted partners)."""
+    spec = parse_partner(config.partner)
+    if not isinstance(spec, OpenAIPartner):
+        return None
+    extra = {"base_url": config.partner_base_url} if config.partner_base_url else {}
+    return ApiPartnerConfig(
+        model=spec.model,
+        api_key_env=config.partner_key_env,
+        concurrency=config.partner_concurrency,
+        max_calls=config.partner_max_calls,
+        cache_path=config.partner_cache_path,
+        usage_path=config.partner_usage_path,
+        **extra,
+    )
 
 
 async def generate_games(
@@ -341,8 +397,15 @@ async def generate_games(
     *,
     existing: dict[str, float] | None = None,
     progress: Progress | None = None,
+    partner_client: PartnerClient | None = None,
 ) -> GenerateResult:
-    """Play every planned game not yet in OUT/games.jsonl; return the run's stats and summary."""
+    """Play every planned game not yet in OUT/games.jsonl; return the run's stats and summary.
+
+    An ``openai:MODEL`` partner needs ``partner_client`` (``run_generate`` opens one); the caller
+    closes it. Its usage goes into ``summary["partner"]``.
+    """
+    if isinstance(parse_partner(config.partner), OpenAIPartner) and partner_client is None:
+        raise ValueError(f"partner {config.partner} needs a partner_client (open_partner_client)")
     if existing is None:
         existing = prepare_output(config)
     planned_ids = {s.game_id for s in plan_games(config)}
@@ -376,7 +439,7 @@ async def generate_games(
             scenario = await scenarios.get(spec)
             record = await play_game(
                 scenario,
-                make_players(config, spec, scenario, engine, chat),
+                make_players(config, spec, scenario, engine, chat, partner_client),
                 game_id=spec.game_id,
                 seed=spec.seed,
                 round=config.round,
@@ -404,9 +467,18 @@ async def generate_games(
                 if t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
     except EngineFailure as e:
-        raise EngineFailure(
-            f"{e}\n{stats.done} finished games are kept in {config.games_path}; fix the engine "
-            "and re-run the same command to play the missing ones"
+        fix = (
+            "re-run with a higher --partner-max-calls"
+            if isinstance(e, PartnerCallCap)
+            else "fix the engine and re-run the same command"
+        )
+        spent = ""
+        if partner_client is not None:
+            u = partner_client.usage
+            spent = f" (partner: {u.calls} calls, {u.cache_hits} cache hits this run)"
+        raise type(e)(
+            f"{e}\n{stats.done} finished games are kept in {config.games_path}{spent}; {fix} "
+            "to play the missing ones"
         ) from e
     finally:
         for t in tasks:
@@ -417,6 +489,8 @@ async def generate_games(
         if progress:
             progress.stop(stats)
     summary = summarize(_summary_records(config.games_path, planned_ids))
+    if partner_client is not None:
+        summary["partner"] = partner_client.usage.as_dict()
     return GenerateResult(config.games_path, stats, summary)
 
 
@@ -444,12 +518,25 @@ async def run_generate_async(
     """Check the output and the chat template, start the engine, play, always stop the engine."""
     existing = prepare_output(config)
     chat = await asyncio.to_thread(load_chat_format, engine_config.model)
+    api = partner_config(config)
+    partner_client = open_partner_client(api) if api is not None else None
     engine = open_engine(engine_config)
     try:
         await engine.start()
-        return await generate_games(config, engine, chat, existing=existing, progress=progress)
+        return await generate_games(
+            config,
+            engine,
+            chat,
+            existing=existing,
+            progress=progress,
+            partner_client=partner_client,
+        )
     finally:
-        await engine.aclose()
+        try:
+            await engine.aclose()
+        finally:
+            if partner_client is not None:
+                await partner_client.aclose()  # waits for paid answers, so they are cached
 
 
 def run_generate(
@@ -482,7 +569,22 @@ def summary_table(result: GenerateResult):
         ("mean words", f"{s['mean_words']:.1f}"),
         ("invalid action rate", f"{s['invalid_action_rate']:.3f}"),
         ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))),
+        ("questions per game (seat 1 / seat 2)", _questions(s)),
     ]
+    if "partner" in s:
+        p = s["partner"]
+        rows += [
+            ("partner calls / cache hits / retries", f"{p['calls']} / {p['cache_hits']} / "
+             f"{p['retries']}"),
+            ("partner tokens in / out", f"{p['prompt_tokens']} / {p['completion_tokens']}"),
+        ]  # fmt: skip
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+def _questions(s: dict) -> str:
+    return (
+        f"{s['questions_per_game']:.2f} ({s['questions_per_game_seat0']:.2f} / "
+        f"{s['questions_per_game_seat1']:.2f})"
+    )

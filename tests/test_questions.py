@@ -47,6 +47,7 @@ LABELLED = [
     ("I'll propose shortly.", "none"),
     ("That proposal looks great to me.", "none"),
     ("Ethan is my best option for QuAC", "none"),
+    ("I don't know the score for Ava Li on BLEU.", "none"),  # the shy partner's answer
 ]
 
 

@@ -4,7 +4,11 @@ Messages in, one assistant text out (the ``ChatEngine`` protocol). The API key i
 environment variable at construction and lives only in the request header: it is never logged,
 never put into an error message and never recorded. Transport errors, 429 and 5xx answers are
 retried with exponential backoff (honouring Retry-After); when the retries are spent the engine
-raises ``EngineFailure``. Other 4xx answers raise ``EngineRequestError``.
+raises ``EngineFailure``. 401, 403 and 404 (a bad key, no access, a wrong model or URL) fail every
+request alike, so they raise ``EngineFailure`` too; other 4xx answers raise ``EngineRequestError``.
+Error texts from the server are kept short and have the key blanked out before they go anywhere.
+The engine counts what it spent: ``requests`` (HTTP attempts), ``retries``, ``prompt_tokens`` and
+``completion_tokens`` (from the answers' ``usage``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class OpenAIEngine:
             transport=transport,
         )
         self.has_key = key is not None
+        self._key = key or None  # only to blank it out of error texts
+        self.requests = 0
+        self.retries = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
 
     def __repr__(self) -> str:  # never show the header
         return f"OpenAIEngine(model={self.name!r}, base_url={self.config.base_url!r})"
@@ -78,6 +87,9 @@ class OpenAIEngine:
         c = self.config
         problem = ""
         for attempt in range(c.retries + 1):
+            if attempt:
+                self.retries += 1
+            self.requests += 1
             try:
                 r = await self._client.post("/chat/completions", json=body)
             except (httpx.TransportError, httpx.TimeoutException) as e:
@@ -90,20 +102,35 @@ class OpenAIEngine:
                 await self._backoff(attempt, r.headers.get("retry-after"))
                 continue
             if r.status_code >= 400:
-                raise EngineRequestError(
-                    f"{self.name} refused a request: HTTP {r.status_code}: {_error_text(r)}"
-                    + ("" if self.has_key else f" (${c.api_key_env} is not set)")
+                unset = "" if self.has_key else f" (${c.api_key_env} is not set)"
+                message = (
+                    f"{self.name} at {c.base_url} refused a request: HTTP {r.status_code}: "
+                    f"{self._redact(_error_text(r))}{unset}"
                 )
+                if r.status_code in (401, 403, 404):
+                    raise EngineFailure(
+                        f"{message}. Check the key in ${c.api_key_env}, the model name and the "
+                        "base URL"
+                    )
+                raise EngineRequestError(message)
             try:
-                choice = r.json()["choices"][0]
+                answer = r.json()
+                choice = answer["choices"][0]
                 text = choice["message"]["content"] or ""
             except (KeyError, IndexError, TypeError, ValueError) as e:
                 raise EngineFailure(f"{self.name}: unexpected chat completion answer: {e}") from e
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            if isinstance(usage, dict):
+                self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                self.completion_tokens += int(usage.get("completion_tokens") or 0)
             finish = "length" if choice.get("finish_reason") == "length" else "stop"
             return text, finish
         raise EngineFailure(
             f"{self.name} at {c.base_url} failed {c.retries + 1} times (last: {problem})"
         )
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
 
     async def _backoff(self, attempt: int, retry_after: str | None) -> None:
         if attempt >= self.config.retries:

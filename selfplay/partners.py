@@ -1,0 +1,118 @@
+"""Who sits across from the model: `--partner self|scripted:NAME|openai:MODEL`, `--policy-seat`.
+
+``parse_partner`` turns the option into one typed spec (``SelfPlay``, ``ScriptedPartner`` or
+``OpenAIPartner``) that callers ``match`` on; ``canonical_partner`` gives the form stored in configs
+and snapshots: ``None`` for self-play, the bare scripted name (``"shy"``, as before the prefix
+existed, so older run folders still resume) or ``"openai:MODEL"``. A bare scripted name is
+accepted as an alias of ``scripted:NAME``.
+
+The ``check_*`` helpers are the field validators shared by every config that carries partner
+options (generate, iterate, eval); each raises a ``ValueError`` that says how to fix the option.
+An API key is never an option: only the *name* of the environment variable that holds it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_KEY_ENV = "OPENAI_API_KEY"
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+PARTNER_FORMS = "self, scripted:NAME (cooperative, no-talk, shy, random) or openai:MODEL"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class SelfPlay:
+    """Both seats are the model (both are trained)."""
+
+
+@dataclass(frozen=True)
+class ScriptedPartner:
+    """A scripted policy from ``selfplay.players.scripted`` plays the other seat."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class OpenAIPartner:
+    """A chat model behind an OpenAI-compatible endpoint plays the other seat (shy persona)."""
+
+    model: str
+
+
+PartnerSpec = SelfPlay | ScriptedPartner | OpenAIPartner
+
+
+def parse_partner(text: str | None) -> PartnerSpec:
+    """``None``/``self`` -> SelfPlay; ``scripted:NAME`` or a bare NAME -> ScriptedPartner;
+    ``openai:MODEL`` -> OpenAIPartner. Raises ValueError naming the accepted forms."""
+    from selfplay.players.scripted import SCRIPTED_NAMES
+
+    raw = "" if text is None else text.strip()
+    if raw in ("", "self"):
+        return SelfPlay()
+    kind, sep, rest = raw.partition(":")
+    if not sep:
+        kind, rest = "scripted", raw
+    rest = rest.strip()
+    match kind.strip().lower():
+        case "scripted":
+            if rest not in SCRIPTED_NAMES:
+                raise ValueError(
+                    f"{rest!r} is not a scripted policy ({', '.join(SCRIPTED_NAMES)}); a partner "
+                    f"is {PARTNER_FORMS}"
+                )
+            return ScriptedPartner(rest)
+        case "openai":
+            if not rest:
+                raise ValueError("openai:MODEL needs a model name, e.g. openai:gpt-4.1")
+            return OpenAIPartner(rest)
+        case _:
+            raise ValueError(f"unknown partner {raw!r}; use {PARTNER_FORMS}")
+
+
+def canonical_partner(text: str | None) -> str | None:
+    """The stored form: None (self-play), a bare scripted name, or ``openai:MODEL``."""
+    match parse_partner(text):
+        case SelfPlay():
+            return None
+        case ScriptedPartner(name=name):
+            return name
+        case OpenAIPartner(model=model):
+            return f"openai:{model}"
+
+
+def policy_seat_index(policy_seat: int) -> int:
+    """``--policy-seat 1|2`` -> the seat index the model plays (0 moves first)."""
+    return policy_seat - 1
+
+
+# -- shared field validators (values arrive canonicalised; ``partner`` is validated first) --------
+
+
+def check_policy_seat(policy_seat: int, partner: str | None) -> int:
+    if policy_seat != 1 and isinstance(parse_partner(partner), SelfPlay):
+        raise ValueError(
+            "the model plays both seats in self-play; --policy-seat 2 needs a --partner"
+        )
+    return policy_seat
+
+
+def check_api_only(value, partner: str | None, option: str):
+    """Options that only mean something for an ``openai:MODEL`` partner."""
+    if value is not None and not isinstance(parse_partner(partner), OpenAIPartner):
+        raise ValueError(
+            f"{option} is for openai:MODEL partners; drop it or use --partner openai:MODEL"
+        )
+    return value
+
+
+def check_key_env(name: str) -> str:
+    # The message never echoes the value: a key pasted here by mistake must not reach a log.
+    if not _ENV_NAME.match(name):
+        raise ValueError(
+            "must be the NAME of an environment variable holding the key (letters, digits, _), "
+            "not the key itself"
+        )
+    return name

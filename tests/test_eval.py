@@ -1,0 +1,347 @@
+"""`selfplay eval`: held-out seed spaces, the table, determinism, failures, cross-play, --run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from selfplay.cli import app
+from selfplay.evaluate import (
+    EvalConfig,
+    EvalResult,
+    ModelSpec,
+    eval_scenario_seed,
+    human_reference,
+    run_models,
+)
+from selfplay.runner import scenario_seed
+
+WORDS = st.integers(min_value=0, max_value=2**64 - 1)
+# small and fast: 3x3 tables, short games, short actions
+FAST = ["--table-size", "3", "--max-actions", "6", "--max-new-tokens", "40"]
+ROW_KEYS = {
+    "name",
+    "kind",
+    "seat1",
+    "seat2",
+    "model",
+    "error",
+    "source",
+    "games",
+    "reward_mean",
+    "reward_ci_low",
+    "reward_ci_high",
+    "reward_std",
+    "agreement_rate",
+    "mean_actions",
+    "mean_words",
+    "invalid_action_rate",
+    "optimal_rate",
+    "questions_per_game",
+    "direct_questions_per_game",
+    "general_questions_per_game",
+    "outcomes",
+    "seconds",
+}
+
+
+# --- seed spaces ------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=WORDS, round=WORDS, index=WORDS, eval_seed=WORDS, eval_index=WORDS)
+def test_held_out_seeds_never_coincide_with_training_seeds(
+    seed, round, index, eval_seed, eval_index
+):
+    train = scenario_seed(seed, round, index)
+    held_out = eval_scenario_seed(eval_seed, eval_index)
+    assert train % 2 == 0 and held_out % 2 == 1
+    assert train != held_out
+    assert 0 <= train < 2**64 and 0 <= held_out < 2**64
+
+
+def test_seed_spaces_are_disjoint_sets_and_spread():
+    train = {scenario_seed(s, r, i) for s in range(3) for r in range(4) for i in range(200)}
+    held_out = {eval_scenario_seed(s, i) for s in range(3) for i in range(2000)}
+    assert len(train) == 3 * 4 * 200 and len(held_out) == 3 * 2000  # no collisions inside
+    assert not train & held_out
+    assert eval_scenario_seed(7, 0) == eval_scenario_seed(7, 0) != eval_scenario_seed(8, 0)
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+def _cfg(**kw) -> EvalConfig:
+    return EvalConfig(models=(ModelSpec(label="m", model="m"),), **kw)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "text"),
+    [
+        ({"games_per_scenario": 4}, "games_per_scenario", "temperature above 0"),
+        ({"partner": "greedy"}, "partner", "not a scripted policy"),
+        ({"baselines": ("cooperative", "nope")}, "baselines", "not a scripted policy"),
+        ({"cross_play": True}, "cross_play", "at least two models"),
+        ({"num_scenarios": 0}, "num_scenarios", "greater than or equal to 1"),
+        ({"human_data": Path("/no/such/file.jsonl")}, "human_data", "does not exist"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, field, text):
+    with pytest.raises(ValidationError) as info:
+        _cfg(**kwargs)
+    message = str(info.value)
+    assert field in message and text in message
+
+
+def test_sampled_games_per_scenario_and_cross_play_partner():
+    from selfplay.records import SamplingParams
+
+    cfg = _cfg(games_per_scenario=3, sampling=SamplingParams(temperature=0.7))
+    assert cfg.games_per_scenario == 3
+    two = (ModelSpec(label="a", model="a"), ModelSpec(label="b", model="b"))
+    with pytest.raises(ValidationError, match="drop the partner"):
+        EvalConfig(models=two, cross_play=True, partner="cooperative")
+    with pytest.raises(ValidationError, match="repeated: a"):
+        EvalConfig(models=(two[0], two[0]))
+
+
+# --- the human reference ----------------------------------------------------------------------
+
+
+def test_human_reference_from_the_data(human_games, monkeypatch):
+    monkeypatch.delenv("SELFPLAY_HUMAN_DATA", raising=False)
+    row = human_reference()
+    assert row.games == 134
+    assert row.reward_mean == pytest.approx(0.921, abs=0.001)
+    assert row.reward_ci_low < row.reward_mean < row.reward_ci_high
+    assert row.agreement_rate == 1.0
+    assert row.questions_per_game == pytest.approx(
+        row.direct_questions_per_game + row.general_questions_per_game
+    )
+    assert row.direct_questions_per_game > 0
+    assert "computed from 134 human games" in row.source
+
+
+def test_human_reference_without_data_is_the_stored_constant(tmp_path, monkeypatch):
+    from selfplay.report import HUMAN_REFERENCE
+
+    monkeypatch.setenv("SELFPLAY_HUMAN_DATA", str(tmp_path / "missing.jsonl"))
+    row = human_reference()
+    assert row.reward_mean == HUMAN_REFERENCE == 0.921
+    assert "stored constant" in row.source and "134 human games of DialOp" in row.source
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def _eval(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["eval", *args])
+    return result.exit_code, result.output.replace("\n", "")  # undo rich's line wrapping
+
+
+def _load(out: Path) -> EvalResult:
+    return EvalResult.model_validate(json.loads((out / "eval.json").read_text()))
+
+
+def _table(result: EvalResult) -> list[dict]:
+    return [r.model_dump(exclude={"seconds"}) for r in result.rows]
+
+
+def _games(out: Path) -> dict[str, list[dict]]:
+    """Every game written, without its timings."""
+    games = {}
+    for path in sorted((out / "games").glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in rows:
+            r.pop("timings")
+        games[path.name] = rows
+    return games
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> Path:
+    """A second tiny random model (other weights, same tokenizer recipe): a 'later round'."""
+    from selfplay.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_seed1", seed=1)
+
+
+@pytest.mark.parametrize(
+    ("which", "sampling"),
+    [
+        ("primed_model", []),  # greedy: the primed model writes whole (often invalid) proposals
+        ("tiny_model", ["--temperature", "1.0", "--games-per-scenario", "2"]),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_eval_twice_gives_the_same_table(which, sampling, tmp_path, request):
+    model_dir = request.getfixturevalue(which)
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        code, output = _eval(
+            "--models", str(model_dir), "--num-scenarios", "5", "--baselines", "random",
+            *FAST, *sampling, "--out", str(out),
+        )  # fmt: skip
+        assert code == 0, output
+    a, b = _load(outs[0]), _load(outs[1])
+    assert _table(a) == _table(b)
+    games = _games(outs[0])
+    assert games == _games(outs[1])  # token for token, not only the averages
+    per = 2 if sampling else 1
+    model = a.row(str(model_dir), "model")
+    assert model.error is None and model.games == 5 * per
+    assert sum(model.outcomes.values()) == 5 * per
+    assert model.mean_words is not None and model.reward_mean is not None
+    # every game is on a held-out (odd) scenario seed, the same set for every row
+    assert a.scenario_seeds == [eval_scenario_seed(7, i) for i in range(5)]
+    for rows in games.values():
+        assert sorted(r["scenario"]["seed"] for r in rows) == sorted(a.scenario_seeds * per)
+    model_games = next(v for k, v in games.items() if k.startswith("model-"))
+    temps = {s["sampling"]["temperature"] for r in model_games for s in r["seats"]}
+    assert temps == ({1.0} if sampling else {0.0})
+    texts = [tuple(a["text"] for a in r["actions"]) for r in model_games]
+    assert any(t.strip() for game in texts for t in game)  # the model did say something
+    if sampling:  # the two seeded games of a scenario differ: the engine honours the seeds
+        assert any(texts[i] != texts[i + 1] for i in range(0, len(texts), 2))
+
+
+def test_eval_writes_documented_outputs(tiny_model, tmp_path):
+    out = tmp_path / "ev"
+    code, output = _eval(
+        "--models", str(tiny_model), "--partner", "cooperative", "--num-scenarios", "3",
+        *FAST, "--max-actions", "12", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, output
+    data = json.loads((out / "eval.json").read_text())
+    assert set(data) == {
+        "schema_version",
+        "config",
+        "scenario_seeds",
+        "rows",
+        "cross_play",
+        "errors",
+        "seconds",
+    }
+    assert data["cross_play"] is None and data["errors"] == {}
+    kinds = [(r["name"], r["kind"]) for r in data["rows"]]
+    assert kinds == [
+        (str(tiny_model), "model"),
+        ("cooperative", "baseline"),
+        ("no-talk", "baseline"),
+        ("random", "baseline"),
+        ("human", "human"),
+    ]
+    for row in data["rows"]:
+        assert set(row) == ROW_KEYS
+    model = data["rows"][0]
+    assert (model["seat1"], model["seat2"]) == (str(tiny_model), "cooperative")
+    # the random tiny model writes garbage: its moves are invalid, and that is in the table
+    assert model["invalid_action_rate"] > 0.5 and model["reward_mean"] == 0.0
+    # baselines play seat 1 against the same partner, on the same scenarios
+    coop = data["rows"][1]
+    assert (coop["seat1"], coop["seat2"]) == ("cooperative", "cooperative")
+    assert coop["agreement_rate"] > 0 and coop["reward_mean"] > 0.3
+    assert coop["invalid_action_rate"] == 0.0
+    md = (out / "eval.md").read_text()
+    assert "| human (human) |" in md and "reward [95% CI]" in md and "![reward](reward.png)" in md
+    assert (out / "reward.png").stat().st_size > 1000
+    assert not (out / "cross_play.png").exists()
+    assert "held-out scenarios" in output and "eval.json" in output  # table and files
+
+
+def test_a_model_that_cannot_load_is_named_and_the_rest_still_run(tiny_model, tmp_path):
+    missing = tmp_path / "no-such-model"
+    out = tmp_path / "ev"
+    code, output = _eval(
+        "--models", f"{missing},{tiny_model}", "--num-scenarios", "2", "--baselines", "",
+        *FAST, "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, output  # one model worked: not a failed evaluation
+    result = _load(out)
+    bad = result.row(str(missing))
+    assert (
+        bad.error is not None and str(missing) in bad.error and "could not be loaded" in bad.error
+    )
+    assert bad.reward_mean is None and bad.games == 0
+    assert result.errors == {str(missing): bad.error}
+    good = result.row(str(tiny_model))
+    assert good.error is None and good.games == 2
+    assert "could not be loaded" in output and str(missing) in output
+    assert "## Errors" in (out / "eval.md").read_text()
+
+
+def test_every_model_failing_exits_1_after_writing_the_rest(tmp_path):
+    out = tmp_path / "ev"
+    code, _ = _eval(
+        "--models", str(tmp_path / "nope"), "--num-scenarios", "2", "--table-size", "3",
+        "--baselines", "no-talk", "--out", str(out),
+    )  # fmt: skip
+    assert code == 1
+    result = _load(out)
+    assert result.row("no-talk").games == 2 and result.row("human").reward_mean is not None
+    assert "nope" in result.row(str(tmp_path / "nope")).error
+
+
+def test_cross_play_of_a_run(tiny_model, other_model, tmp_path):
+    from selfplay.iterate import Manifest, RoundRecord, StageRecord
+
+    stage = StageRecord(finished_at=0.0, seconds=0.0, artifacts={"model": str(other_model)})
+    manifest = Manifest(
+        name="r",
+        config={"model": str(tiny_model)},
+        created_at=0.0,
+        versions={},
+        git_commit=None,
+        rounds={0: RoundRecord(model=str(tiny_model), stages={"train": stage})},
+    )
+    (tmp_path / "data" / "r").mkdir(parents=True)
+    (tmp_path / "data" / "r" / "manifest.json").write_text(manifest.model_dump_json())
+    specs = run_models("r", tmp_path / "data")
+    assert [(s.label, s.model) for s in specs] == [
+        ("initial", str(tiny_model)),
+        ("round_0", str(other_model)),
+    ]
+    started = time.perf_counter()
+    code, output = _eval(
+        "--run", "r", "--data-root", str(tmp_path / "data"), "--cross-play",
+        "--num-scenarios", "3", "--baselines", "", *FAST,
+    )  # fmt: skip
+    assert code == 0, output
+    out = tmp_path / "data" / "r" / "eval"
+    result = _load(out)
+    cp = result.cross_play
+    assert cp is not None and cp.models == ["initial", "round_0"]
+    assert [[g > 0 for g in row] for row in cp.games] == [[True, True], [True, True]]
+    assert cp.reward[1][1] == result.row("round_0", "model").reward_mean
+    assert cp.reward[0][1] == result.row("initial + round_0", "cross").reward_mean
+    for i, label in enumerate(cp.models):
+        others = [cp.reward[i][1 - i], cp.reward[1 - i][i]]
+        assert cp.cross_play_mean[label] == pytest.approx(sum(others) / 2)
+        assert cp.gap[label] == pytest.approx(cp.reward[i][i] - cp.cross_play_mean[label])
+    assert (out / "cross_play.png").stat().st_size > 1000
+    assert "## Cross-play" in (out / "eval.md").read_text()
+    assert time.perf_counter() - started < 120
+
+
+def test_run_without_manifest_is_a_clear_error(tmp_path):
+    code, output = _eval("--run", "ghost", "--data-root", str(tmp_path))
+    assert code == 1
+    assert "manifest.json does not exist" in output and "selfplay iterate" in output
+
+
+def test_cli_option_errors(tmp_path):
+    code, output = _eval("--models", "m", "--players", "cooperative,cooperative")
+    assert code == 1 and "--partner and --num-scenarios" in output
+    code, output = _eval("--models", "m", "--games-per-scenario", "2", "--out", str(tmp_path))
+    assert code == 1 and "--games-per-scenario" in output and "temperature" in output
+    code, output = _eval("--models", "m", "--partner", "greedy", "--out", str(tmp_path))
+    assert code == 1 and "--partner" in output
+    code, output = _eval("--cross-play")
+    assert code == 1 and "need --models or --run" in output
