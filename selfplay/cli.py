@@ -54,7 +54,12 @@ def eval_cmd(
     ),
     data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives (with --run)."),
     partner: str | None = typer.Option(
-        None, help="Scripted policy for seat 2 (cooperative, no-talk, shy, random); default: self."
+        None,
+        help="Scripted partner (scripted:NAME or NAME: cooperative, no-talk, shy, random); "
+        "default: self-play.",
+    ),
+    policy_seat: int = typer.Option(
+        1, min=1, max=2, help="With --partner: the models' seat (2: the partner moves first)."
     ),
     num_scenarios: int | None = typer.Option(
         None, min=1, help="Held-out scenarios (default 100); every row plays the same ones."
@@ -128,6 +133,7 @@ def eval_cmd(
         out=out,
         options=dict(
             partner=partner,
+            policy_seat=policy_seat,
             num_scenarios=num_scenarios or 100,
             games_per_scenario=games_per_scenario,
             seed=seed,

@@ -170,7 +170,8 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     models: tuple[ModelSpec, ...] = Field(min_length=1)
-    partner: str | None = None  # a scripted policy for seat 2; None: self-play
+    partner: str | None = None  # a scripted policy (NAME or scripted:NAME); None: self-play
+    policy_seat: Literal[1, 2] = 1  # the models' seat when there is a partner
     num_scenarios: int = Field(100, ge=1)
     games_per_scenario: int = Field(1, ge=1)
     seed: int = Field(7, ge=0)  # eval seed: picks the held-out scenario set
@@ -189,7 +190,14 @@ class EvalConfig(BaseModel):
     @field_validator("partner")
     @classmethod
     def _partner_known(cls, v: str | None) -> str | None:
-        return None if v is None else _scripted_name(v)
+        from selfplay.partners import OpenAIPartner, canonical_partner, parse_partner
+
+        if isinstance(parse_partner(v), OpenAIPartner):
+            raise ValueError(
+                f"{v}: eval plays scripted partners only for now (cooperative, no-talk, shy, "
+                "random); evaluate against an API partner with `selfplay generate --partner`"
+            )
+        return canonical_partner(v)
 
     @field_validator("baselines")
     @classmethod
@@ -222,6 +230,8 @@ class EvalConfig(BaseModel):
                 "games_per_scenario: several games per scenario only differ when sampled; "
                 "set a temperature above 0 or play 1 game per scenario"
             )
+        if self.policy_seat == 2 and self.partner is None:
+            raise ValueError("policy_seat: seat 2 needs a --partner to take seat 1")
         if self.cross_play and self.partner is not None:
             raise ValueError(
                 "cross_play: cross-play pairs the models with each other; drop the partner"
@@ -523,6 +533,11 @@ def _row(name: str, kind: Kind, seat1: str, seat2: str, records, started: float,
     )
 
 
+def _ordered(names: tuple[str, str], config: EvalConfig) -> tuple[str, str]:
+    """(policy, partner) names in seat order: the policy takes seat ``config.policy_seat``."""
+    return names if config.policy_seat == 1 else (names[1], names[0])
+
+
 async def run_eval_async(config: EvalConfig) -> EvalResult:
     """Evaluate every model, baseline and (optionally) model pair; see the module docstring."""
     started = time.perf_counter()
@@ -554,14 +569,15 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
                     )
                 )
                 continue
-            seat2 = ev._scripted(partner) if partner else ev._llm(lm)
+            other = ev._scripted(partner) if partner else ev._llm(lm)
+            seats = (ev._llm(lm), other) if config.policy_seat == 1 else (other, ev._llm(lm))
             try:
                 log.info(
                     "eval: %s (%d games)",
                     spec.label,
                     config.num_scenarios * config.games_per_scenario,
                 )
-                records = await ev.play(f"model-{spec.label}", ev._llm(lm), seat2)
+                records = await ev.play(f"model-{spec.label}", *seats)
             except EngineFailure as e:
                 msg = f"model {spec.label!r} ({lm.path}) failed while playing: {e}"
                 log.error("%s", msg)
@@ -578,8 +594,9 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
                 )
                 await lm.engine.aclose()
                 continue
+            names = (spec.label, seat2_name)
             rows.append(
-                _row(spec.label, "model", spec.label, seat2_name, records, t0, model=lm.path)
+                _row(spec.label, "model", *_ordered(names, config), records, t0, model=lm.path)
             )
             log.info("eval: %s reward %.3f", spec.label, rows[-1].reward_mean or 0.0)
             if config.cross_play:
@@ -592,11 +609,11 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
             await lm.engine.aclose()
     for name in config.baselines:
         t0 = time.perf_counter()
-        other = partner or name
+        pair = _ordered((name, partner or name), config)
         records = await ev.play(
-            f"baseline-{name}", ev._scripted(name), ev._scripted(other), quiet=True
+            f"baseline-{name}", ev._scripted(pair[0]), ev._scripted(pair[1]), quiet=True
         )
-        rows.append(_row(name, "baseline", name, other, records, t0))
+        rows.append(_row(name, "baseline", *pair, records, t0))
     rows.append(human_reference(config.human_data))
     result = EvalResult(
         config=config.model_dump(mode="json"),

@@ -87,6 +87,8 @@ def _cfg(**kw) -> EvalConfig:
     [
         ({"games_per_scenario": 4}, "games_per_scenario", "temperature above 0"),
         ({"partner": "greedy"}, "partner", "not a scripted policy"),
+        ({"partner": "openai:gpt-4.1"}, "partner", "scripted partners only"),
+        ({"policy_seat": 2}, "policy_seat", "needs a --partner"),
         ({"baselines": ("cooperative", "nope")}, "baselines", "not a scripted policy"),
         ({"cross_play": True}, "cross_play", "at least two models"),
         ({"num_scenarios": 0}, "num_scenarios", "greater than or equal to 1"),
@@ -254,6 +256,26 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     assert (out / "reward.png").stat().st_size > 1000
     assert not (out / "cross_play.png").exists()
     assert "held-out scenarios" in output and "eval.json" in output  # table and files
+
+
+def test_policy_seat_2_puts_the_partner_first(tiny_model, tmp_path):
+    out = tmp_path / "ev2"
+    code, output = _eval(
+        "--models", str(tiny_model), "--partner", "scripted:shy", "--policy-seat", "2",
+        "--num-scenarios", "2", "--baselines", "no-talk", *FAST, "--max-actions", "6",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, output
+    rows = {r.name: r for r in _load(out).rows}
+    model = next(r for r in rows.values() if r.kind == "model")
+    assert (model.seat1, model.seat2) == ("shy", model.name)
+    assert (rows["no-talk"].seat1, rows["no-talk"].seat2) == ("shy", "no-talk")
+    for name, games in _games(out).items():
+        for g in games:
+            assert g["seats"][0]["name"] == "shy"
+            assert g["actions"][0]["seat"] == 0  # the partner moves first
+            if name.startswith("model"):
+                assert g["seats"][1]["kind"] == "llm" and g["tokens"][0] is None
 
 
 def test_a_model_that_cannot_load_is_named_and_the_rest_still_run(tiny_model, tmp_path):
