@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -37,6 +39,17 @@ def fail(message: str) -> typer.Exit:
     """Print one clear error line and return the exit to raise."""
     console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(1)
+
+
+def bad_option(e: ValidationError, rename: dict[str, str] | None = None) -> typer.Exit:
+    """One clear line for a config's first validation error, naming the option to fix."""
+    err = e.errors()[0]
+    names = [str(x) for x in err["loc"] if not str(x).isdigit()]
+    name = (rename or {}).get(names[-1], names[-1]) if names else "options"
+    msg = err["msg"].removeprefix("Value error, ")
+    if not err["loc"] and (m := re.match(r"(\w+): (.*)", msg, re.S)):
+        name, msg = m.groups()  # a check across fields names its field first
+    return fail(f"--{name.replace('_', '-')}: {msg}")
 
 
 # --- commands are added below, one function each -------------------------------------------
@@ -154,7 +167,6 @@ def eval_cmd(
 def _eval_models(
     names: list[str], *, run: str | None, data_root: Path, out: Path | None, options, sampling
 ) -> None:
-    from pydantic import ValidationError
 
     from selfplay.eval_report import row_cells, table_rows, write_eval_report
     from selfplay.evaluate import (
@@ -176,16 +188,7 @@ def _eval_models(
             models=tuple(specs), sampling=SamplingParams(**sampling), out=out, **options
         )
     except ValidationError as e:
-        import re
-
-        err = e.errors()[0]
-        name = str(err["loc"][-1]) if err["loc"] else "options"
-        if name.isdigit() or name in ("label", "model"):
-            name = "models"
-        msg = err["msg"].removeprefix("Value error, ")
-        if not err["loc"] and (m := re.match(r"(\w+): (.*)", msg, re.S)):
-            name, msg = m.groups()  # a check across fields names its field first
-        raise fail(f"--{name.replace('_', '-')}: {msg}") from None
+        raise bad_option(e, rename={"label": "models", "model": "models"}) from None
     except EvalError as e:
         raise fail(str(e)) from None
     failed: EvalError | None = None
@@ -299,7 +302,6 @@ def train(
     resume_from: Path | None = typer.Option(None, help="verl checkpoint dir to resume from."),
 ) -> None:
     """Offline GRPO with verl on converted rows; writes a Hugging Face model directory."""
-    from pydantic import ValidationError
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from selfplay.train import TrainConfig
@@ -327,9 +329,7 @@ def train(
             resume_from=resume_from,
         )
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "options"
-        raise fail(f"--{field.replace('_', '-')}: {err['msg']}") from None
+        raise bad_option(e) from None
     columns = (
         TextColumn("[bold]train"),
         BarColumn(),
@@ -411,7 +411,6 @@ def generate(
     import os
     import signal
 
-    from pydantic import ValidationError
     from rich.console import Console as _Console
 
     from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
@@ -465,9 +464,7 @@ def generate(
                 log_path=str(out / "sglang.log"),
             )
     except ValidationError as e:
-        err = e.errors()[0]
-        name = str(err["loc"][-1]) if err["loc"] else "options"
-        raise fail(f"--{name.replace('_', '-')}: {err['msg']}") from None
+        raise bad_option(e) from None
     except RuntimeError as e:
         raise fail(str(e)) from None
 
@@ -510,7 +507,6 @@ def convert(
     ),
 ) -> None:
     """Turn games into GRPO training rows: groups across games, split by scenario."""
-    from pydantic import ValidationError
 
     from selfplay.convert import ConvertConfig, ConvertError
     from selfplay.convert import convert as run_convert
@@ -527,9 +523,7 @@ def convert(
             validate_records=validate_records,
         )
     except ValidationError as e:
-        err = e.errors()[0]
-        name = str(err["loc"][-1]) if err["loc"] else "options"
-        raise fail(f"--{name.replace('_', '-')}: {err['msg']}") from None
+        raise bad_option(e) from None
     try:
         s = run_convert(cfg)
     except (RecordError, ConvertError, OSError) as e:
@@ -622,7 +616,6 @@ def iterate_cmd(
     report: bool = typer.Option(True, help="Write the run report at the end."),
 ) -> None:
     """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
-    from pydantic import ValidationError
 
     from selfplay.convert import ConvertError
     from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
@@ -683,9 +676,7 @@ def iterate_cmd(
             ),
         )
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "options"
-        raise fail(f"--{field.replace('_', '-')}: {err['msg']}") from None
+        raise bad_option(e) from None
     try:
         run = iterate(cfg, force=force)
     except (IterateError, ConvertError, RecordError, FileExistsError, EngineFailure) as e:
