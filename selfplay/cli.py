@@ -68,11 +68,20 @@ def eval_cmd(
     data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives (with --run)."),
     partner: str | None = typer.Option(
         None,
-        help="Scripted partner (scripted:NAME or NAME: cooperative, no-talk, shy, random); "
-        "default: self-play.",
+        help="Partner seat: scripted:NAME (cooperative, no-talk, shy, random) or openai:MODEL "
+        "(a shy API model; key from $OPENAI_API_KEY or --partner-key-env); default: self-play.",
     ),
     policy_seat: int = typer.Option(
         1, min=1, max=2, help="With --partner: the models' seat (2: the partner moves first)."
+    ),
+    partner_base_url: str | None = typer.Option(
+        None, help="openai partner: the endpoint (default https://api.openai.com/v1)."
+    ),
+    partner_key_env: str = typer.Option(
+        "OPENAI_API_KEY", help="openai partner: NAME of the environment variable with the key."
+    ),
+    partner_max_calls: int | None = typer.Option(
+        None, min=1, help="openai partner: paid calls at most (cached answers are free)."
     ),
     num_scenarios: int | None = typer.Option(
         None, min=1, help="Held-out scenarios (default 100); every row plays the same ones."
@@ -147,6 +156,9 @@ def eval_cmd(
         options=dict(
             partner=partner,
             policy_seat=policy_seat,
+            partner_base_url=partner_base_url,
+            partner_key_env=partner_key_env,
+            partner_max_calls=partner_max_calls,
             num_scenarios=num_scenarios or 100,
             games_per_scenario=games_per_scenario,
             seed=seed,

@@ -170,8 +170,11 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     models: tuple[ModelSpec, ...] = Field(min_length=1)
-    partner: str | None = None  # a scripted policy (NAME or scripted:NAME); None: self-play
+    partner: str | None = None  # NAME / scripted:NAME / openai:MODEL; None: self-play
     policy_seat: Literal[1, 2] = 1  # the models' seat when there is a partner
+    partner_base_url: str | None = None  # openai partner: the endpoint (None: the default)
+    partner_key_env: str = "OPENAI_API_KEY"  # openai partner: the variable's NAME, never the key
+    partner_max_calls: int | None = Field(None, ge=1)  # openai partner: paid calls at most
     num_scenarios: int = Field(100, ge=1)
     games_per_scenario: int = Field(1, ge=1)
     seed: int = Field(7, ge=0)  # eval seed: picks the held-out scenario set
@@ -190,14 +193,16 @@ class EvalConfig(BaseModel):
     @field_validator("partner")
     @classmethod
     def _partner_known(cls, v: str | None) -> str | None:
-        from selfplay.partners import OpenAIPartner, canonical_partner, parse_partner
+        from selfplay.partners import canonical_partner
 
-        if isinstance(parse_partner(v), OpenAIPartner):
-            raise ValueError(
-                f"{v}: eval plays scripted partners only for now (cooperative, no-talk, shy, "
-                "random); evaluate against an API partner with `selfplay generate --partner`"
-            )
         return canonical_partner(v)
+
+    @field_validator("partner_key_env")
+    @classmethod
+    def _key_env_is_a_name(cls, v: str) -> str:
+        from selfplay.partners import check_key_env
+
+        return check_key_env(v)
 
     @field_validator("baselines")
     @classmethod
@@ -428,14 +433,45 @@ class _Evaluation:
         self.seeds = [eval_scenario_seed(config.seed, i) for i in range(config.num_scenarios)]
         self.scenarios: list[Scenario] = []
         self.games_dir = config.out / "games" if config.out is not None else None
+        self.partner_client = None  # an API partner's client, shared by every row
 
     async def prepare(self) -> None:
-        n = self.config.table_size
+        from selfplay.partners import OpenAIPartner, parse_partner
+        from selfplay.players.api import ApiPartnerConfig, open_partner_client
+
+        cfg = self.config
         self.scenarios = await asyncio.to_thread(
-            lambda: [generate_scenario(s, n) for s in self.seeds]
+            lambda: [generate_scenario(s, cfg.table_size) for s in self.seeds]
         )
         if self.games_dir is not None:
             self.games_dir.mkdir(parents=True, exist_ok=True)
+        spec = parse_partner(cfg.partner)
+        if isinstance(spec, OpenAIPartner):
+            out = cfg.out
+            extra = {"base_url": cfg.partner_base_url} if cfg.partner_base_url else {}
+            self.partner_client = open_partner_client(
+                ApiPartnerConfig(
+                    model=spec.model,
+                    api_key_env=cfg.partner_key_env,
+                    max_calls=cfg.partner_max_calls,
+                    cache_path=out / "partner_cache.jsonl" if out is not None else None,
+                    usage_path=out / "partner_usage.jsonl" if out is not None else None,
+                    **extra,
+                )
+            )
+
+    async def aclose(self) -> None:
+        if self.partner_client is not None:
+            await self.partner_client.aclose()
+
+    def _partner(self) -> SeatFactory:
+        """The --partner seat: a scripted policy or the API partner."""
+        if self.partner_client is None:
+            return self._scripted(self.config.partner)
+        from selfplay.players.api import ApiPartner
+
+        client = self.partner_client
+        return lambda scenario, seat, gseed: ApiPartner(client)
 
     def _llm(self, lm: _Loaded) -> SeatFactory:
         sampling = self.config.sampling
@@ -569,7 +605,7 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
                     )
                 )
                 continue
-            other = ev._scripted(partner) if partner else ev._llm(lm)
+            other = ev._partner() if partner else ev._llm(lm)
             seats = (ev._llm(lm), other) if config.policy_seat == 1 else (other, ev._llm(lm))
             try:
                 log.info(
@@ -604,16 +640,17 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
             else:
                 await lm.engine.aclose()
         cross = await _cross_play(ev, kept, rows, errors) if len(kept) >= 2 else None
+        for name in config.baselines:
+            t0 = time.perf_counter()
+            own, other = ev._scripted(name), ev._partner() if partner else ev._scripted(name)
+            seats = (own, other) if config.policy_seat == 1 else (other, own)
+            records = await ev.play(f"baseline-{name}", *seats, quiet=True)
+            names = _ordered((name, partner or name), config)
+            rows.append(_row(name, "baseline", *names, records, t0))
     finally:
         for lm in kept:
             await lm.engine.aclose()
-    for name in config.baselines:
-        t0 = time.perf_counter()
-        pair = _ordered((name, partner or name), config)
-        records = await ev.play(
-            f"baseline-{name}", ev._scripted(pair[0]), ev._scripted(pair[1]), quiet=True
-        )
-        rows.append(_row(name, "baseline", *pair, records, t0))
+        await ev.aclose()
     rows.append(human_reference(config.human_data))
     result = EvalResult(
         config=config.model_dump(mode="json"),

@@ -87,7 +87,7 @@ def _cfg(**kw) -> EvalConfig:
     [
         ({"games_per_scenario": 4}, "games_per_scenario", "temperature above 0"),
         ({"partner": "greedy"}, "partner", "not a scripted policy"),
-        ({"partner": "openai:gpt-4.1"}, "partner", "scripted partners only"),
+        ({"partner_key_env": "sk-not-a-name!"}, "partner_key_env", "NAME of an environment"),
         ({"policy_seat": 2}, "policy_seat", "needs a --partner"),
         ({"baselines": ("cooperative", "nope")}, "baselines", "not a scripted policy"),
         ({"cross_play": True}, "cross_play", "at least two models"),
@@ -276,6 +276,36 @@ def test_policy_seat_2_puts_the_partner_first(tiny_model, tmp_path):
             assert g["actions"][0]["seat"] == 0  # the partner moves first
             if name.startswith("model"):
                 assert g["seats"][1]["kind"] == "llm" and g["tokens"][0] is None
+
+
+def test_api_partner_in_eval_gets_the_persona_and_the_key_stays_out(
+    tiny_model, tmp_path, monkeypatch
+):
+    from chat_standin import ChatStandIn
+
+    from selfplay.players.api import SHY_PERSONA
+
+    secret = "sk-test-very-secret-0123456789"
+    monkeypatch.setenv("STANDIN_KEY", secret)
+    out = tmp_path / "ev-api"
+    with ChatStandIn() as standin:
+        code, output = _eval(
+            "--models", str(tiny_model), "--partner", "openai:standin-model",
+            "--policy-seat", "2", "--partner-base-url", standin.url,
+            "--partner-key-env", "STANDIN_KEY", "--num-scenarios", "2",
+            "--baselines", "no-talk", *FAST, "--out", str(out),
+        )  # fmt: skip
+        asked = standin.answered
+    assert code == 0, output
+    assert asked, "the API partner was never asked"
+    first = asked[0]["body"]["messages"]
+    assert first[0] == {"role": "system", "content": SHY_PERSONA}
+    assert asked[0]["headers"].get("authorization") == f"Bearer {secret}"
+    rows = {r.name: r for r in _load(out).rows}
+    assert rows["no-talk"].seat1 == "openai:standin-model"
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert secret not in path.read_text(errors="ignore"), path
 
 
 def test_a_model_that_cannot_load_is_named_and_the_rest_still_run(tiny_model, tmp_path):
