@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from selfplay.engines import EngineFailure, HFEngineConfig, open_engine
 from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.metrics import classify_question, mean_ci, summarize
+from selfplay.partners import PartnerOptions
 from selfplay.play import play_game
 from selfplay.players.llm import ChatFormat, LLMPlayer, derive_seed, load_chat_format
 from selfplay.players.scripted import SCRIPTED_NAMES, make_scripted
@@ -164,17 +165,12 @@ def _scripted_name(name: str) -> str:
     return name
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(PartnerOptions):
     """Everything one evaluation needs (``selfplay eval`` builds it from its options)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     models: tuple[ModelSpec, ...] = Field(min_length=1)
-    partner: str | None = None  # NAME / scripted:NAME / openai:MODEL; None: self-play
-    policy_seat: Literal[1, 2] = 1  # the models' seat when there is a partner
-    partner_base_url: str | None = None  # openai partner: the endpoint (None: the default)
-    partner_key_env: str = "OPENAI_API_KEY"  # openai partner: the variable's NAME, never the key
-    partner_max_calls: int | None = Field(None, ge=1)  # openai partner: paid calls at most
     num_scenarios: int = Field(100, ge=1)
     games_per_scenario: int = Field(1, ge=1)
     seed: int = Field(7, ge=0)  # eval seed: picks the held-out scenario set
@@ -189,20 +185,6 @@ class EvalConfig(BaseModel):
     max_batch_size: int = Field(64, ge=1)
     human_data: Path | None = None  # None: $SELFPLAY_HUMAN_DATA, else ../shared/dialop-data
     out: Path | None = None  # when set, every game is kept in OUT/games/<row>.jsonl
-
-    @field_validator("partner")
-    @classmethod
-    def _partner_known(cls, v: str | None) -> str | None:
-        from selfplay.partners import canonical_partner
-
-        return canonical_partner(v)
-
-    @field_validator("partner_key_env")
-    @classmethod
-    def _key_env_is_a_name(cls, v: str) -> str:
-        from selfplay.partners import check_key_env
-
-        return check_key_env(v)
 
     @field_validator("baselines")
     @classmethod
@@ -235,8 +217,6 @@ class EvalConfig(BaseModel):
                 "games_per_scenario: several games per scenario only differ when sampled; "
                 "set a temperature above 0 or play 1 game per scenario"
             )
-        if self.policy_seat == 2 and self.partner is None:
-            raise ValueError("policy_seat: seat 2 needs a --partner to take seat 1")
         if self.cross_play and self.partner is not None:
             raise ValueError(
                 "cross_play: cross-play pairs the models with each other; drop the partner"

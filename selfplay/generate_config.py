@@ -8,9 +8,8 @@ never a field, only the name of the environment variable that holds it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field
 
 from selfplay import partners
 from selfplay.game.matching import MAX_N, MIN_N
@@ -35,7 +34,7 @@ IDENTITY_FIELDS = (
 ADDED_LATER = {"policy_seat": 1, "partner_base_url": None}
 
 
-class GenerateConfig(BaseModel):
+class GenerateConfig(partners.PartnerOptions):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     out: Path
@@ -49,36 +48,7 @@ class GenerateConfig(BaseModel):
     max_actions: int = Field(30, ge=1)
     max_invalid: int = Field(3, ge=1)
     sampling: SamplingParams = SamplingParams()
-    # None: self-play; a scripted name ("shy"); "openai:MODEL" (see selfplay.partners)
-    partner: str | None = None
-    policy_seat: Literal[1, 2] = 1  # the model's seat with a partner (2: the partner moves first)
-    partner_base_url: str | None = None  # openai partners; None: api.openai.com
-    partner_key_env: str = partners.DEFAULT_KEY_ENV  # the variable's NAME; the key is never stored
-    partner_max_calls: int | None = Field(None, ge=1)  # paid partner calls in this run at most
     partner_concurrency: int = Field(8, ge=1)  # partner requests in flight at most
-
-    @field_validator("partner")
-    @classmethod
-    def _known_partner(cls, v: str | None) -> str | None:
-        return partners.canonical_partner(v)
-
-    @field_validator("policy_seat")
-    @classmethod
-    def _policy_seat(cls, v: int, info: ValidationInfo) -> int:
-        return partners.check_policy_seat(v, info.data["partner"]) if "partner" in info.data else v
-
-    @field_validator("partner_base_url", "partner_max_calls")
-    @classmethod
-    def _api_only(cls, v, info: ValidationInfo):
-        if "partner" not in info.data:
-            return v
-        option = "--" + str(info.field_name).replace("_", "-")
-        return partners.check_api_only(v, info.data["partner"], option)
-
-    @field_validator("partner_key_env")
-    @classmethod
-    def _key_env(cls, v: str) -> str:
-        return partners.check_key_env(v)
 
     @property
     def games_path(self) -> Path:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
@@ -76,7 +76,7 @@ class TrainOptions(BaseModel):
     ray_address: str | None = None
 
 
-class IterateConfig(BaseModel):
+class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
     """Everything one run needs; stored in the manifest and compared on every resume."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -97,11 +97,6 @@ class IterateConfig(BaseModel):
     table_size: int = Field(8, ge=3, le=8)
     max_actions: int = Field(30, ge=1)
     max_invalid: int = Field(3, ge=1)
-    partner: str | None = None  # canonical (selfplay.partners): None, "shy", "openai:MODEL"
-    policy_seat: Literal[1, 2] = 1
-    partner_base_url: str | None = None
-    partner_key_env: str = partners.DEFAULT_KEY_ENV  # the variable's NAME; the key is never stored
-    partner_max_calls: int | None = Field(None, ge=1)  # per generate stage (each round)
     # convert
     group_by: GroupBy = GroupBy.SCENARIO
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
@@ -109,29 +104,6 @@ class IterateConfig(BaseModel):
     keep_degenerate: bool = False
     # train
     train: TrainOptions = TrainOptions()
-
-    @field_validator("partner")
-    @classmethod
-    def _known_partner(cls, v: str | None) -> str | None:
-        return partners.canonical_partner(v)
-
-    @field_validator("policy_seat")
-    @classmethod
-    def _policy_seat(cls, v: int, info: ValidationInfo) -> int:
-        return partners.check_policy_seat(v, info.data["partner"]) if "partner" in info.data else v
-
-    @field_validator("partner_base_url", "partner_max_calls")
-    @classmethod
-    def _api_only(cls, v, info: ValidationInfo):
-        if "partner" not in info.data:
-            return v
-        option = "--" + str(info.field_name).replace("_", "-")
-        return partners.check_api_only(v, info.data["partner"], option)
-
-    @field_validator("partner_key_env")
-    @classmethod
-    def _key_env(cls, v: str) -> str:
-        return partners.check_key_env(v)
 
     @property
     def run_dir(self) -> Path:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -116,3 +119,39 @@ def check_key_env(name: str) -> str:
             "not the key itself"
         )
     return name
+
+
+class PartnerOptions(BaseModel):
+    """The fixed-partner options shared by generate, iterate and eval, checked the same way."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # None: self-play; a scripted name ("shy"); "openai:MODEL" (canonical form, see above)
+    partner: str | None = None
+    policy_seat: Literal[1, 2] = 1  # the model's seat with a partner (2: the partner moves first)
+    partner_base_url: str | None = None  # openai partners; None: the default endpoint
+    partner_key_env: str = DEFAULT_KEY_ENV  # the variable's NAME; the key is never stored
+    partner_max_calls: int | None = Field(None, ge=1)  # paid partner calls in one run at most
+
+    @field_validator("partner")
+    @classmethod
+    def _known_partner(cls, v: str | None) -> str | None:
+        return canonical_partner(v)
+
+    @field_validator("policy_seat")
+    @classmethod
+    def _policy_seat(cls, v: int, info: ValidationInfo) -> int:
+        return check_policy_seat(v, info.data["partner"]) if "partner" in info.data else v
+
+    @field_validator("partner_base_url", "partner_max_calls")
+    @classmethod
+    def _api_only(cls, v, info: ValidationInfo):
+        if "partner" not in info.data:
+            return v
+        option = "--" + str(info.field_name).replace("_", "-")
+        return check_api_only(v, info.data["partner"], option)
+
+    @field_validator("partner_key_env")
+    @classmethod
+    def _key_env(cls, v: str) -> str:
+        return check_key_env(v)
