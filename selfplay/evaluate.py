@@ -416,8 +416,7 @@ class _Evaluation:
         self.partner_client = None  # an API partner's client, shared by every row
 
     async def prepare(self) -> None:
-        from selfplay.partners import OpenAIPartner, parse_partner
-        from selfplay.players.api import ApiPartnerConfig, open_partner_client
+        from selfplay.players.api import api_partner_config, open_partner_client
 
         cfg = self.config
         self.scenarios = await asyncio.to_thread(
@@ -425,20 +424,9 @@ class _Evaluation:
         )
         if self.games_dir is not None:
             self.games_dir.mkdir(parents=True, exist_ok=True)
-        spec = parse_partner(cfg.partner)
-        if isinstance(spec, OpenAIPartner):
-            out = cfg.out
-            extra = {"base_url": cfg.partner_base_url} if cfg.partner_base_url else {}
-            self.partner_client = open_partner_client(
-                ApiPartnerConfig(
-                    model=spec.model,
-                    api_key_env=cfg.partner_key_env,
-                    max_calls=cfg.partner_max_calls,
-                    cache_path=out / "partner_cache.jsonl" if out is not None else None,
-                    usage_path=out / "partner_usage.jsonl" if out is not None else None,
-                    **extra,
-                )
-            )
+        api = api_partner_config(cfg, cfg.out)
+        if api is not None:
+            self.partner_client = open_partner_client(api)
 
     async def aclose(self) -> None:
         if self.partner_client is not None:

@@ -58,14 +58,6 @@ class GenerateConfig(partners.PartnerOptions):
     def snapshot_path(self) -> Path:
         return self.out / "generate.json"
 
-    @property
-    def partner_cache_path(self) -> Path:
-        return self.out / "partner_cache.jsonl"
-
-    @property
-    def partner_usage_path(self) -> Path:
-        return self.out / "partner_usage.jsonl"
-
     def identity(self) -> dict:
         ident = self.model_dump(mode="json", include=set(IDENTITY_FIELDS))
         for name, old in ADDED_LATER.items():

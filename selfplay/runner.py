@@ -50,6 +50,7 @@ from selfplay.players.api import (
     ApiPartnerConfig,
     PartnerCallCap,
     PartnerClient,
+    api_partner_config,
     open_partner_client,
 )
 from selfplay.players.llm import ChatFormat, LLMPlayer, derive_seed, load_chat_format
@@ -375,19 +376,7 @@ def make_players(
 
 def partner_config(config: GenerateConfig) -> ApiPartnerConfig | None:
     """The API partner of a generate config (None for self-play and scripted partners)."""
-    spec = parse_partner(config.partner)
-    if not isinstance(spec, OpenAIPartner):
-        return None
-    extra = {"base_url": config.partner_base_url} if config.partner_base_url else {}
-    return ApiPartnerConfig(
-        model=spec.model,
-        api_key_env=config.partner_key_env,
-        concurrency=config.partner_concurrency,
-        max_calls=config.partner_max_calls,
-        cache_path=config.partner_cache_path,
-        usage_path=config.partner_usage_path,
-        **extra,
-    )
+    return api_partner_config(config, config.out, concurrency=config.partner_concurrency)
 
 
 async def generate_games(

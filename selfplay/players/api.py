@@ -35,7 +35,13 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay.engines import ChatEngine, EngineFailure
-from selfplay.partners import DEFAULT_BASE_URL, DEFAULT_KEY_ENV
+from selfplay.partners import (
+    DEFAULT_BASE_URL,
+    DEFAULT_KEY_ENV,
+    OpenAIPartner,
+    PartnerOptions,
+    parse_partner,
+)
 from selfplay.records import SamplingParams, SeatConfig, SeatTokens, repair_jsonl_tail
 
 log = logging.getLogger(__name__)
@@ -235,6 +241,26 @@ class PartnerClient:
             with self.config.usage_path.open("ab") as f:
                 f.write(orjson.dumps(line) + b"\n")
         log.info("partner %s: %s", self.name, self.usage.as_dict())
+
+
+def api_partner_config(
+    options: PartnerOptions, out: Path | None, *, concurrency: int = 8
+) -> ApiPartnerConfig | None:
+    """The API partner of a run's partner options (None for self-play and scripted partners);
+    its cache and usage files go in ``out`` (None: an in-memory cache only)."""
+    spec = parse_partner(options.partner)
+    if not isinstance(spec, OpenAIPartner):
+        return None
+    extra = {"base_url": options.partner_base_url} if options.partner_base_url else {}
+    return ApiPartnerConfig(
+        model=spec.model,
+        api_key_env=options.partner_key_env,
+        concurrency=concurrency,
+        max_calls=options.partner_max_calls,
+        cache_path=out / "partner_cache.jsonl" if out is not None else None,
+        usage_path=out / "partner_usage.jsonl" if out is not None else None,
+        **extra,
+    )
 
 
 def open_partner_client(config: ApiPartnerConfig) -> PartnerClient:
