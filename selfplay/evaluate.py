@@ -551,27 +551,27 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
     errors: dict[str, str] = {}
     kept: list[_Loaded] = []  # held for cross-play
     partner = config.partner
+
+    def failed(label: str, names: tuple[str, str], model: str, msg: str) -> None:
+        """A model's row when it could not be evaluated; the others still are."""
+        log.error("%s", msg)
+        errors[label] = msg
+        seat1, seat2 = names
+        rows.append(
+            EvalRow(name=label, kind="model", seat1=seat1, seat2=seat2, model=model, error=msg)
+        )
+
     try:
         for spec in config.models:
             t0 = time.perf_counter()
             seat2_name = partner or spec.label
+            names = _ordered((spec.label, seat2_name), config)
+
             try:
                 lm = await ev.load(spec)
             except Exception as e:  # any loading failure is this model's, not the evaluation's
                 msg = f"model {spec.label!r} ({spec.model}) could not be loaded: "
-                msg += f"{type(e).__name__}: {e}"
-                log.error("%s", msg)
-                errors[spec.label] = msg
-                rows.append(
-                    EvalRow(
-                        name=spec.label,
-                        kind="model",
-                        seat1=spec.label,
-                        seat2=seat2_name,
-                        model=spec.model,
-                        error=msg,
-                    )
-                )
+                failed(spec.label, names, spec.model, msg + f"{type(e).__name__}: {e}")
                 continue
             other = ev._partner() if partner else ev._llm(lm)
             seats = (ev._llm(lm), other) if config.policy_seat == 1 else (other, ev._llm(lm))
@@ -584,24 +584,10 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
                 records = await ev.play(f"model-{spec.label}", *seats)
             except EngineFailure as e:
                 msg = f"model {spec.label!r} ({lm.path}) failed while playing: {e}"
-                log.error("%s", msg)
-                errors[spec.label] = msg
-                rows.append(
-                    EvalRow(
-                        name=spec.label,
-                        kind="model",
-                        seat1=spec.label,
-                        seat2=seat2_name,
-                        model=lm.path,
-                        error=msg,
-                    )
-                )
+                failed(spec.label, names, lm.path, msg)
                 await lm.engine.aclose()
                 continue
-            names = (spec.label, seat2_name)
-            rows.append(
-                _row(spec.label, "model", *_ordered(names, config), records, t0, model=lm.path)
-            )
+            rows.append(_row(spec.label, "model", *names, records, t0, model=lm.path))
             log.info("eval: %s reward %.3f", spec.label, rows[-1].reward_mean or 0.0)
             if config.cross_play:
                 kept.append(lm)

@@ -303,11 +303,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             max_actions=cfg.max_actions,
             max_invalid=cfg.max_invalid,
             sampling=cfg.sampling,
-            partner=cfg.partner,
-            policy_seat=cfg.policy_seat,
-            partner_base_url=cfg.partner_base_url,
-            partner_key_env=cfg.partner_key_env,
-            partner_max_calls=cfg.partner_max_calls,
+            **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
         )
         log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
         generate(gen_cfg, engine_cfg)
