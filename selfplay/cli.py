@@ -10,6 +10,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
@@ -33,6 +34,30 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
     )
     if not verbose:  # one INFO line per HTTP request drowns the run's own log
         logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+# Options shared by several commands, defined once so their checks and help stay the same.
+PartnerOption = Annotated[
+    str,
+    typer.Option(
+        help="Who plays the other seat: self, scripted:NAME (cooperative, no-talk, shy, random; "
+        "a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat model, shy persona).",
+    ),
+]
+PolicySeatOption = Annotated[
+    int,
+    typer.Option(
+        min=1, max=2, help="The model's seat with a partner: 1, or 2 (the partner moves first)."
+    ),
+]
+PartnerBaseUrlOption = Annotated[
+    str | None,
+    typer.Option(help="openai partner: the endpoint (default https://api.openai.com/v1)."),
+]
+PartnerKeyEnvOption = Annotated[
+    str,
+    typer.Option(help="openai partner: NAME of the environment variable with the key."),
+]
 
 
 def fail(message: str) -> typer.Exit:
@@ -71,15 +96,9 @@ def eval_cmd(
         help="Partner seat: scripted:NAME (cooperative, no-talk, shy, random) or openai:MODEL "
         "(a shy API model; key from $OPENAI_API_KEY or --partner-key-env); default: self-play.",
     ),
-    policy_seat: int = typer.Option(
-        1, min=1, max=2, help="With --partner: the models' seat (2: the partner moves first)."
-    ),
-    partner_base_url: str | None = typer.Option(
-        None, help="openai partner: the endpoint (default https://api.openai.com/v1)."
-    ),
-    partner_key_env: str = typer.Option(
-        "OPENAI_API_KEY", help="openai partner: NAME of the environment variable with the key."
-    ),
+    policy_seat: PolicySeatOption = 1,
+    partner_base_url: PartnerBaseUrlOption = None,
+    partner_key_env: PartnerKeyEnvOption = "OPENAI_API_KEY",
     partner_max_calls: int | None = typer.Option(
         None, min=1, help="openai partner: paid calls at most (cached answers are free)."
     ),
@@ -388,20 +407,10 @@ def generate(
     concurrency: int | None = typer.Option(None, min=1, help="Games in flight. Default: all."),
     games_per_scenario: int = typer.Option(4, min=1, help="Games per scenario (a GRPO group)."),
     table_size: int = typer.Option(8, min=3, max=8, help="Table size n."),
-    partner: str = typer.Option(
-        "self",
-        help="Who plays the other seat: self, scripted:NAME (cooperative, no-talk, shy, random; "
-        "a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat model, shy persona).",
-    ),
-    policy_seat: int = typer.Option(
-        1, min=1, max=2, help="The model's seat with a partner: 1, or 2 (the partner moves first)."
-    ),
-    partner_base_url: str | None = typer.Option(
-        None, help="openai partner: the endpoint (default https://api.openai.com/v1)."
-    ),
-    partner_key_env: str = typer.Option(
-        "OPENAI_API_KEY", help="openai partner: NAME of the environment variable with the key."
-    ),
+    partner: PartnerOption = "self",
+    policy_seat: PolicySeatOption = 1,
+    partner_base_url: PartnerBaseUrlOption = None,
+    partner_key_env: PartnerKeyEnvOption = "OPENAI_API_KEY",
     partner_max_calls: int | None = typer.Option(
         None,
         min=1,
@@ -597,20 +606,10 @@ def iterate_cmd(
     games_per_scenario: int = typer.Option(4, min=2, help="Games per scenario (a GRPO group)."),
     concurrency: int | None = typer.Option(None, min=1),
     table_size: int = typer.Option(8, min=3, max=8),
-    partner: str = typer.Option(
-        "self",
-        help="Who plays the other seat: self, scripted:NAME (cooperative, no-talk, shy, random; "
-        "a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat model, shy persona).",
-    ),
-    policy_seat: int = typer.Option(
-        1, min=1, max=2, help="The model's seat with a partner: 1, or 2 (the partner moves first)."
-    ),
-    partner_base_url: str | None = typer.Option(
-        None, help="openai partner: the endpoint (default https://api.openai.com/v1)."
-    ),
-    partner_key_env: str = typer.Option(
-        "OPENAI_API_KEY", help="openai partner: NAME of the environment variable with the key."
-    ),
+    partner: PartnerOption = "self",
+    policy_seat: PolicySeatOption = 1,
+    partner_base_url: PartnerBaseUrlOption = None,
+    partner_key_env: PartnerKeyEnvOption = "OPENAI_API_KEY",
     partner_max_calls: int | None = typer.Option(
         None, min=1, help="openai partner: paid calls per round at most (cached answers are free)."
     ),
