@@ -103,7 +103,7 @@ def peak_mem_gb(device: str) -> float:
 
 def run_verl(args: dict) -> dict:
     from selfplay.train.config import TrainConfig
-    from selfplay.train.workers import LocalWorkers
+    from selfplay.train.workers import LocalWorkers, update_inputs
 
     cfg = TrainConfig(
         data=Path("unused.parquet"),
@@ -116,18 +116,8 @@ def run_verl(args: dict) -> dict:
     )
     workers = LocalWorkers(cfg, total_steps=100)
     batch = make_batch(args["rows"], args["prompt"], args["response"], args["vocab"])
-    keys = [
-        "prompts",
-        "responses",
-        "input_ids",
-        "attention_mask",
-        "position_ids",
-        "response_mask",
-        "old_log_probs",
-        "advantages",
-    ]
     batch["old_log_probs"] = workers.log_probs(batch)["log_probs"]
-    train = {k: batch[k] for k in keys}
+    train = update_inputs(batch)
     times = []
     for i in range(args["repeats"] + 1):
         _sync(args["device"])

@@ -64,21 +64,12 @@ def own_logprob(engine, batch) -> torch.Tensor:
 
 
 def update_once(engine, batch):
+    from selfplay.train.workers import update_inputs
+
     batch["old_log_probs"] = engine.log_probs(batch)["log_probs"]
-    keys = [
-        "prompts",
-        "responses",
-        "input_ids",
-        "attention_mask",
-        "position_ids",
-        "response_mask",
-        "old_log_probs",
-        "advantages",
-    ]
     if engine.ref is not None:
         batch["ref_log_prob"] = engine.ref_log_probs(batch)
-        keys.append("ref_log_prob")
-    return engine.update({k: batch[k] for k in keys}, mini_batch_size=len(batch["prompts"]), seed=0)
+    return engine.update(update_inputs(batch), mini_batch_size=len(batch["prompts"]), seed=0)
 
 
 def test_one_step_changes_parameters(engine):

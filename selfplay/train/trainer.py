@@ -212,20 +212,6 @@ def add_old_log_probs(workers, batch: dict[str, torch.Tensor], cfg: TrainConfig)
     return extra
 
 
-_TRAIN_KEYS = (
-    "prompts",
-    "responses",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "response_mask",
-    "old_log_probs",
-    "advantages",
-    "rollout_is_weights",
-    "ref_log_prob",
-)
-
-
 def _mean(metrics: dict, key: str) -> float | None:
     value = metrics.get(key)
     if value is None:
@@ -264,7 +250,7 @@ def train(
         cfg.micro_batch_size,
     )
     torch.manual_seed(cfg.seed)
-    from selfplay.train.workers import open_workers
+    from selfplay.train.workers import open_workers, update_inputs
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     workers = open_workers(cfg, total)
@@ -285,7 +271,7 @@ def train(
                 batch = step_batch(p, idx)
                 extra = add_old_log_probs(workers, batch, cfg)
                 t1 = time.perf_counter()
-                train_batch = {k: batch[k] for k in _TRAIN_KEYS if k in batch}
+                train_batch = update_inputs(batch)
                 metrics = workers.update(
                     train_batch, p.mini_batch_size, cfg.seed + step, entropy=cfg.entropy_coef > 0
                 )

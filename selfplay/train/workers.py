@@ -183,8 +183,22 @@ _MODEL_INPUT_KEYS = (
 )
 
 
+_UPDATE_KEYS = (
+    *_MODEL_INPUT_KEYS,
+    "old_log_probs",
+    "advantages",
+    "rollout_is_weights",  # only with --rollout-is tis
+    "ref_log_prob",  # only with a KL loss
+)
+
+
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in _MODEL_INPUT_KEYS}
+
+
+def update_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors one actor update takes (the optional ones when present)."""
+    return {k: batch[k] for k in _UPDATE_KEYS if k in batch}
 
 
 def _free_port() -> int:
