@@ -7,6 +7,7 @@ verl's worker API directly; the CLI smoke test builds its own (actor + reference
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +22,8 @@ from selfplay.train.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "REDIS_STORE_SERVER_HOST")
+ENV_AT_IMPORT = {k: os.environ.get(k) for k in RENDEZVOUS}
 PROMPT = [5, 6, 7, 8]
 GOOD = [20, 21, 22, 23, 24]
 BAD = [30, 31, 32, 33, 34]
@@ -70,6 +73,12 @@ def update_once(engine, batch):
     if engine.ref is not None:
         batch["ref_log_prob"] = engine.ref_log_probs(batch)
     return engine.update(update_inputs(batch), mini_batch_size=len(batch["prompts"]), seed=0)
+
+
+def test_workers_leave_no_rendezvous_in_environ(engine):
+    """A held MASTER_PORT left in os.environ would be inherited by every later subprocess
+    (iterate's stages), whose own process group then fails to bind it."""
+    assert {k: os.environ.get(k) for k in RENDEZVOUS} == ENV_AT_IMPORT
 
 
 def test_one_step_changes_parameters(engine):

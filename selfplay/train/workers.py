@@ -14,9 +14,11 @@ The trainer only calls ``log_probs``, ``ref_log_probs``, ``loss``, ``update``, `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -207,16 +209,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _restored_environ() -> Iterator[None]:
+    """Undo, on exit, what process-group setup and verl's ``Worker`` write to ``os.environ``.
+
+    verl reads the rendezvous (``MASTER_PORT``, ``RANK``, ...) from the environment and writes it
+    back there. Left behind, a held ``MASTER_PORT`` leaks into every subprocess this Python
+    process starts later (``selfplay iterate`` runs its stages as subprocesses), whose own
+    process group then fails to bind that port.
+    """
+    keys = ["REDIS_STORE_SERVER_HOST", *_WORKER_ENV]
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+_WORKER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def _init_single_process_group(device: str) -> None:
-    """World size 1 in this process: gloo on the CPU, nccl (plus gloo for CPU tensors) on a GPU."""
+    """World size 1 in this process: gloo on the CPU, nccl (plus gloo for CPU tensors) on a GPU.
+
+    Sets the rendezvous variables verl's ``Worker`` reads; call it inside ``_restored_environ``.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise RuntimeError(
-                "the in-process launcher runs world size 1; use --gpus N (Ray) for several devices"
-            )
-        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     for key, value in (
@@ -226,6 +249,12 @@ def _init_single_process_group(device: str) -> None:
         ("LOCAL_WORLD_SIZE", "1"),
     ):
         os.environ.setdefault(key, value)
+    if dist.is_initialized():  # an earlier engine in this process (tests, notebooks)
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                "the in-process launcher runs world size 1; use --gpus N (Ray) for several devices"
+            )
+        return
     if device == "cuda":
         torch.cuda.set_device(0)
         dist.init_process_group("cpu:gloo,cuda:nccl")
@@ -246,16 +275,17 @@ class LocalWorkers(_Calls):
             raise RuntimeError(
                 "--gpus was given but torch sees no CUDA device; use --gpus 0 for CPU"
             )
-        _init_single_process_group(cfg.device)
         from verl.workers.engine_workers import ActorRolloutRefWorker
 
         config = worker_config(cfg, total_steps)
         self.ref = None
-        if cfg.kl_coef > 0:
-            self.ref = ActorRolloutRefWorker(config=config.copy(), role="ref")
-            self.ref.init_model()
-        self.actor = ActorRolloutRefWorker(config=config, role="actor")
-        self.actor.init_model()
+        with _restored_environ():
+            _init_single_process_group(cfg.device)
+            if cfg.kl_coef > 0:
+                self.ref = ActorRolloutRefWorker(config=config.copy(), role="ref")
+                self.ref.init_model()
+            self.actor = ActorRolloutRefWorker(config=config, role="actor")
+            self.actor.init_model()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The actor's current weights, gathered to full CPU tensors (for checks and tests)."""
