@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -22,7 +23,11 @@ from selfplay.game import (
     scenario_from_arrays,
     score_assignment,
 )
-from selfplay.game.matching import _batched_max_assignment, format_proposal
+from selfplay.game.matching import (
+    _batched_max_assignment,
+    format_proposal,
+    mentions,
+)
 from selfplay.game.protocol import ERR_EMPTY, ERR_NOTHING_PENDING, ERR_PENDING
 
 # --- conformance vectors (shared/notes/dialop-matching.md) -----------------------------------
@@ -286,3 +291,28 @@ def test_distribution_over_1000_seeds():
     assert np.mean([s.passed_filter for s in scenarios]) >= 0.97
     scales = np.array([s.scales for s in scenarios])
     assert scales.min() >= 1.0 and scales.max() <= 10.0
+
+
+def _mentions_by_name(text: str, n: int) -> tuple[set[int], set[int]]:
+    """The plain definition: one word-bounded search per name."""
+    low = text.casefold()
+
+    def named(*words: str) -> bool:
+        return any(re.search(rf"\b{re.escape(w.casefold())}\b", low) for w in words)
+
+    return (
+        {i for i, r in enumerate(REVIEWERS[:n]) if named(r, *r.split())},
+        {i for i, p in enumerate(PAPERS_SHORT[:n]) if named(p)},
+    )
+
+
+_WORDS = [*REVIEWERS, *(w for r in REVIEWERS for w in r.split()), *PAPERS_SHORT, "avalon", "bleus"]
+
+
+@given(
+    st.lists(st.sampled_from(_WORDS) | st.sampled_from([" ", ", ", "?", "'s ", "-", "x"])),
+    st.integers(3, 8),
+)
+def test_mentions_finds_what_a_search_per_name_finds(parts, n):
+    text = "".join(parts)
+    assert mentions(text, n) == _mentions_by_name(text, n)

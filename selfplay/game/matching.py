@@ -365,15 +365,33 @@ def format_proposal(pairs: Pairs, n: int = 8) -> str:
 
 def mentions(text: str, n: int = 8) -> tuple[set[int], set[int]]:
     """Reviewers (full, first or last name) and papers (short title) named in free text."""
-    low = text.casefold()
-    reviewers = set()
-    for i, name in enumerate(REVIEWERS[:n]):
-        first, last = name.casefold().split()
-        if re.search(rf"\b({re.escape(name.casefold())}|{first}|{last})\b", low):
-            reviewers.add(i)
-    papers = {
-        i
-        for i, short in enumerate(PAPERS_SHORT[:n])
-        if re.search(rf"\b{re.escape(short.casefold())}\b", low)
-    }
+    pattern, index = _name_pattern(n)
+    reviewers: set[int] = set()
+    papers: set[int] = set()
+    for m in pattern.finditer(text.casefold()):
+        kind, i = index[m.group()]
+        (reviewers if kind == "reviewer" else papers).add(i)
     return reviewers, papers
+
+
+@cache
+def _name_pattern(n: int) -> tuple[re.Pattern, dict[str, tuple[str, int]]]:
+    """One pattern for every name of an n x n table, and what each matched name stands for.
+
+    Metrics classify every message of every game, so this is built once per n. One scan finds
+    all names because no word names two things (checked here): a full name never hides another
+    reviewer's or paper's name.
+    """
+    index: dict[str, tuple[str, int]] = {}
+    for i, name in enumerate(REVIEWERS[:n]):
+        full = name.casefold()
+        for key in (full, *full.split()):
+            index[key] = ("reviewer", i)
+    for i, short in enumerate(PAPERS_SHORT[:n]):
+        index[short.casefold()] = ("paper", i)
+    owners: dict[str, set[tuple[str, int]]] = {}
+    for key, what in index.items():
+        for word in key.split():
+            owners.setdefault(word, set()).add(what)
+    assert all(len(o) == 1 for o in owners.values()), "a word names two reviewers or papers"
+    return re.compile(r"\b(?:" + "|".join(map(re.escape, index)) + r")\b"), index
