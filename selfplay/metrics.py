@@ -40,34 +40,53 @@ def summarize(records: Iterable[GameRecord]) -> dict:
     mean_actions, mean_words, invalid_action_rate, optimal_rate, outcomes {outcome: count}, and the
     question statistics of ``_question_summary``.
     """
-    rewards, actions, words, invalid, optimal = [], [], [], [], []
-    qcounts: list[dict[str, int]] = []
-    outcomes: Counter[str] = Counter()
+    summary = Summary()
     for r in records:
-        qcounts.append(question_counts(r))
-        rewards.append(r.reward)
-        actions.append(r.counts.get("actions", len(r.actions)))
-        words.append(r.counts.get("words", 0))
-        invalid.append(r.counts.get("invalid", sum(not a.valid for a in r.actions)))
-        optimal.append(r.outcome == Outcome.ACCEPTED and r.score == r.scenario.best)
-        outcomes[str(r.outcome)] += 1
-    n = len(rewards)
-    mean, lo, hi = mean_ci(rewards)
-    total_actions = sum(actions)
-    return {
-        "games": n,
-        "reward_mean": mean,
-        "reward_ci_low": lo,
-        "reward_ci_high": hi,
-        "reward_std": float(np.std(rewards, ddof=1)) if n > 1 else 0.0,
-        "agreement_rate": outcomes[Outcome.ACCEPTED.value] / n if n else math.nan,
-        "mean_actions": float(np.mean(actions)) if n else math.nan,
-        "mean_words": float(np.mean(words)) if n else math.nan,
-        "invalid_action_rate": sum(invalid) / total_actions if total_actions else 0.0,
-        "optimal_rate": float(np.mean(optimal)) if n else math.nan,
-        **_question_summary(qcounts, rewards),
-        "outcomes": dict(outcomes),
-    }
+        summary.add(r)
+    return summary.result()
+
+
+class Summary:
+    """``summarize`` one game at a time: a runner adds each game as it finishes, so the summary
+    at the end needs no second read of the games file. Keeps a few numbers per game."""
+
+    def __init__(self) -> None:
+        self._rewards: list[float] = []
+        self._actions: list[int] = []
+        self._words: list[int] = []
+        self._invalid: list[int] = []
+        self._optimal: list[bool] = []
+        self._qcounts: list[dict[str, int]] = []
+        self._outcomes: Counter[str] = Counter()
+
+    def add(self, r: GameRecord) -> None:
+        self._qcounts.append(question_counts(r))
+        self._rewards.append(r.reward)
+        self._actions.append(r.counts.get("actions", len(r.actions)))
+        self._words.append(r.counts.get("words", 0))
+        self._invalid.append(r.counts.get("invalid", sum(not a.valid for a in r.actions)))
+        self._optimal.append(r.outcome == Outcome.ACCEPTED and r.score == r.scenario.best)
+        self._outcomes[str(r.outcome)] += 1
+
+    def result(self) -> dict:
+        rewards, actions, outcomes = self._rewards, self._actions, self._outcomes
+        n = len(rewards)
+        mean, lo, hi = mean_ci(rewards)
+        total_actions = sum(actions)
+        return {
+            "games": n,
+            "reward_mean": mean,
+            "reward_ci_low": lo,
+            "reward_ci_high": hi,
+            "reward_std": float(np.std(rewards, ddof=1)) if n > 1 else 0.0,
+            "agreement_rate": outcomes[Outcome.ACCEPTED.value] / n if n else math.nan,
+            "mean_actions": float(np.mean(actions)) if n else math.nan,
+            "mean_words": float(np.mean(self._words)) if n else math.nan,
+            "invalid_action_rate": sum(self._invalid) / total_actions if total_actions else 0.0,
+            "optimal_rate": float(np.mean(self._optimal)) if n else math.nan,
+            **_question_summary(self._qcounts, rewards),
+            "outcomes": dict(outcomes),
+        }
 
 
 _QUESTION_WORDS = (

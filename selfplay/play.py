@@ -77,8 +77,10 @@ def build_record(
     error: str | None,
     seconds: float,
 ) -> GameRecord:
+    # the rules already typed every field: constructing skips ~10 us of validation per action,
+    # which all games of a lockstep batch pay at once at the end of a run
     actions = [
-        ActionRecord(
+        ActionRecord.model_construct(
             seat=a.seat, text=a.text, kind=a.kind, valid=a.valid, error=a.error, proposal=a.proposal
         )
         for a in game.actions

@@ -41,7 +41,7 @@ import orjson
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.generate_config import GenerateConfig
-from selfplay.metrics import summarize
+from selfplay.metrics import Summary
 from selfplay.partners import OpenAIPartner, ScriptedPartner, SelfPlay, parse_partner
 from selfplay.play import play_game
 from selfplay.players import Player
@@ -398,7 +398,8 @@ async def generate_games(
     if existing is None:
         existing = prepare_output(config)
     planned_ids = {s.game_id for s in plan_games(config)}
-    kept = [existing[g] for g in planned_ids & existing.keys()]
+    kept_ids = planned_ids & existing.keys()
+    kept = [existing[g] for g in kept_ids]
     stats = RunStats(total=config.num_games, resumed=len(kept), reward_sum=float(sum(kept)))
     to_play = config.num_games - len(kept)
     if existing.keys() - planned_ids:
@@ -422,6 +423,7 @@ async def generate_games(
     scenarios = _Scenarios(config, lookahead=2 + width // config.games_per_scenario)
     await scenarios.warm(first_wave)
     writer = _Writer(config.games_path)
+    summary = Summary()  # this run's games as they finish; kept ones are read back at the end
 
     async def worker() -> None:
         for spec in specs:
@@ -436,6 +438,7 @@ async def generate_games(
                 max_invalid=config.max_invalid,
             )
             writer.put(record)
+            summary.add(record)
             stats.played += 1
             stats.reward_sum += record.reward
             stats.outcomes[str(record.outcome)] += 1
@@ -477,14 +480,17 @@ async def generate_games(
         stats.seconds = time.perf_counter() - stats.started
         if progress:
             progress.stop(stats)
-    summary = summarize(_summary_records(config.games_path, planned_ids))
+    for record in _summary_records(config.games_path, kept_ids):
+        summary.add(record)
+    result = summary.result()
     if partner_client is not None:
-        summary["partner"] = partner_client.usage.as_dict()
-    return GenerateResult(config.games_path, stats, summary)
+        result["partner"] = partner_client.usage.as_dict()
+    return GenerateResult(config.games_path, stats, result)
 
 
 def _summary_records(path: Path, ids: set[str]) -> Iterator[GameRecord]:
-    """This plan's records, once each, without their token lists (streamed: memory stays flat)."""
+    """The records of ``ids``, once each, without their token lists (streamed: memory stays
+    flat)."""
     seen: set[str] = set()
     if not path.exists():
         return

@@ -17,6 +17,7 @@ from selfplay.engines import EngineFailure, Generation, GenerationRequest, SGLan
 from selfplay.game.matching import format_proposal
 from selfplay.game.protocol import PROPOSAL_CHOICES, Outcome
 from selfplay.generate_config import GenerateConfig
+from selfplay.metrics import summarize
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
 from selfplay.runner import OutputMismatch, generate_games, plan_games, run_generate
@@ -193,11 +194,16 @@ def test_resume_keeps_finished_games_drops_a_torn_line_and_never_duplicates(
     assert len(ids) == len(set(ids)) == 10
     assert result.stats.resumed == 6 and result.stats.played == 4
     assert engine.requests == 4 * 4  # only the missing games were played (4 actions each)
+    # the summary covers the kept games and the new ones, each once, as a fresh read would
+    fresh = summarize(records)
+    assert result.summary.pop("outcomes") == fresh.pop("outcomes")
+    assert result.summary == pytest.approx(fresh, nan_ok=True)
     for r in records[:6]:  # finished games are untouched
         assert r == first[r.game_id]
     again = PolicyEngine(chat, 3)
     result = play(config(out, tiny_model, num_games=10), again)
     assert again.requests == 0 and result.stats.played == 0
+    assert result.summary["games"] == 10
     assert len(read(out / "games.jsonl")) == 10
 
 

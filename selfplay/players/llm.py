@@ -281,7 +281,7 @@ class LLMPlayer:
         self._owed = self.chat.owed_after(ids[-1] if stopped else None)
         self._ids.extend(ids)
         self._mask.extend([1] * len(ids))
-        self._logprobs.extend(float(x) for x in gen.logprobs)
+        self._logprobs.extend(gen.logprobs)  # floats, as the Generation contract says
         self._messages.append(_assistant(action))
         self.generated += len(ids)
         return action
