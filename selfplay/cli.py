@@ -36,6 +36,11 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _set(**options) -> dict:
+    """The options that were given (not None), so a config's own defaults apply to the rest."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 # Options shared by several commands, defined once so their checks and help stay the same.
 PartnerOption = Annotated[
     str,
@@ -53,6 +58,15 @@ PolicySeatOption = Annotated[
 PartnerBaseUrlOption = Annotated[
     str | None,
     typer.Option(help="openai partner: the endpoint (default https://api.openai.com/v1)."),
+]
+MaxBatchOption = Annotated[int, typer.Option(min=1, help="hf: requests decoded together at most.")]
+PrefixCacheOption = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="hf: tokens of finished turns kept as KV cache, so a seat's next turn prefills only "
+        "its new tokens (0: off; default: HFEngineConfig's, 65,536).",
+    ),
 ]
 PartnerKeyEnvOption = Annotated[
     str,
@@ -117,7 +131,7 @@ def eval_cmd(
     ),
     concurrency: int | None = typer.Option(None, min=1, help="Games in flight per row."),
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
-    max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together at most."),
+    max_batch_size: MaxBatchOption = 64,
     human_data: Path | None = typer.Option(
         None,
         envvar="SELFPLAY_HUMAN_DATA",
@@ -417,7 +431,8 @@ def generate(
         help="openai partner: paid calls in this run at most (cached answers are free).",
     ),
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
-    max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together at most."),
+    max_batch_size: MaxBatchOption = 64,
+    prefix_cache_tokens: PrefixCacheOption = None,
     sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
     sglang_port: int = typer.Option(30000, help="sglang: port of the launched server."),
     tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
@@ -471,7 +486,10 @@ def generate(
         )
         if engine == "hf":
             engine_cfg = HFEngineConfig(
-                model=model_path, device=device, max_batch_size=max_batch_size
+                model=model_path,
+                device=device,
+                max_batch_size=max_batch_size,
+                **_set(prefix_cache_tokens=prefix_cache_tokens),
             )
         else:
             engine_cfg = SGLangEngineConfig(
@@ -595,7 +613,8 @@ def iterate_cmd(
     engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
     engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1."),
-    max_batch_size: int = typer.Option(64, min=1, help="hf: requests decoded together."),
+    max_batch_size: MaxBatchOption = 64,
+    prefix_cache_tokens: PrefixCacheOption = None,
     sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
     tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
     mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
@@ -639,7 +658,10 @@ def iterate_cmd(
         match engine:
             case "hf":
                 engine_cfg = HFEngineConfig(
-                    model=initial, device=device, max_batch_size=max_batch_size
+                    model=initial,
+                    device=device,
+                    max_batch_size=max_batch_size,
+                    **_set(prefix_cache_tokens=prefix_cache_tokens),
                 )
             case "sglang":
                 engine_cfg = SGLangEngineConfig(

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -55,18 +56,30 @@ async def gather_close(engine, requests):
         await engine.aclose()
 
 
-def fresh(hf):
-    """A new engine object over the same loaded model (each asyncio.run needs its own batcher)."""
+def fresh(hf, **config):
+    """A new engine object over the same loaded model (each asyncio.run needs its own batcher,
+    each engine its own prefix cache); ``config`` overrides fields of the engine's config."""
     from selfplay.engines.hf import HFEngine
 
-    return HFEngine(hf.config, model=hf.model, tokenizer=hf.tokenizer)
+    return HFEngine(hf.config.model_copy(update=config), model=hf.model, tokenizer=hf.tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
 # hf
 
 
-def test_hf_batch_matches_single_requests_and_a_full_forward(hf):
+def full_forward_logprobs(model, prompt_ids, gen, temperature: float = 1.0) -> list[float]:
+    """The sampled tokens' log-probs by one forward pass over the whole sequence, no cache."""
+    full = torch.tensor([list(prompt_ids) + gen.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(full).logits[0].float() / temperature, -1)
+    n = len(prompt_ids)
+    return [logp[n - 1 + j, t].item() for j, t in enumerate(gen.token_ids)]
+
+
+@pytest.mark.parametrize("prefix_cache_tokens", [0, 65536])
+def test_hf_batch_matches_single_requests_and_a_full_forward(hf, prefix_cache_tokens):
+    hf = fresh(hf, prefix_cache_tokens=prefix_cache_tokens)
     texts = ["hi", "a much longer prompt about Ava Li and BLEU and GloVe", "Proposal:"]
     reqs = [GenerationRequest(prompt(hf, t), max_new_tokens=12, temperature=0.0) for t in texts]
     batched = run(gather_close(fresh(hf), reqs))
@@ -75,12 +88,138 @@ def test_hf_batch_matches_single_requests_and_a_full_forward(hf):
         assert gen.token_ids == single.token_ids  # left padding does not change the answer
         assert gen.finish_reason in ("stop", "length")
         assert len(gen.logprobs) == len(gen.token_ids)
-        full = torch.tensor([list(req.prompt_ids) + gen.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(hf.model(full).logits[0].float(), -1)
-        n = len(req.prompt_ids)
-        ref = [logp[n - 1 + j, t].item() for j, t in enumerate(gen.token_ids)]
+        ref = full_forward_logprobs(hf.model, req.prompt_ids, gen)
         assert max(abs(a - b) for a, b in zip(ref, gen.logprobs)) < 1e-4
+
+
+def extend(req: GenerationRequest, gen, delta: list[int], **kw) -> GenerationRequest:
+    """The conversation's next request: prompt + sampled ids + the partner's delta tokens."""
+    return replace(req, prompt_ids=[*req.prompt_ids, *gen.token_ids, *delta], **kw)
+
+
+async def converse(engine, first: list[GenerationRequest], deltas: list[list[list[int]]]):
+    """Play conversations turn by turn, all rows of a turn in one batch; every turn's
+    (request, generation) pairs."""
+    turns, reqs = [], first
+    try:
+        for turn_deltas in [*deltas, None]:
+            gens = await asyncio.gather(*(engine.generate(r) for r in reqs))
+            turns.append(list(zip(reqs, gens)))
+            if turn_deltas is not None:
+                reqs = [extend(r, g, d) for r, g, d in zip(reqs, gens, turn_deltas)]
+    finally:
+        await engine.aclose()
+    return turns
+
+
+def assert_same_generations(got, want, tol: float = 1e-4) -> None:
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < tol
+
+
+def test_hf_prefix_cache_multi_turn_matches_the_cache_off(hf):
+    """Three conversations of four turns with deltas of different lengths: greedy tokens are
+    the same with the prefix cache as without, log-probs within 1e-4 (also of a full forward),
+    and every turn after the first reuses its conversation's KV."""
+    stops = (hf.tokenizer.eos_token_id,)
+    first = [
+        GenerationRequest(prompt(hf, t), max_new_tokens=m, temperature=0.0, stop_token_ids=stops)
+        for t, m in (("hi", 9), ("a longer prompt about Ava Li and BLEU", 5), ("Proposal:", 14))
+    ]
+    words = ["[message] Sofia Patel on GloVe is 122", "[reject]", "Partner: Error: propose"]
+    deltas = [[prompt(hf, words[(t + k) % 3]) for k in range(3)] for t in range(3)]
+    on, off = fresh(hf, prefix_cache_tokens=65536), fresh(hf, prefix_cache_tokens=0)
+    with_cache, without = run(converse(on, first, deltas)), run(converse(off, first, deltas))
+    for turn_on, turn_off in zip(with_cache, without):
+        for (req, got), (req_off, want) in zip(turn_on, turn_off):
+            assert req.prompt_ids == req_off.prompt_ids
+            assert_same_generations(got, want)
+            ref = full_forward_logprobs(hf.model, req.prompt_ids, got)
+            assert max(abs(a - b) for a, b in zip(ref, got.logprobs)) < 1e-4
+    # each later turn reuses the previous prompt and all its sampled ids but the last
+    assert on.reused_tokens == sum(
+        len(req.prompt_ids) + len(gen.token_ids) - 1
+        for turn in with_cache[:-1]
+        for req, gen in turn
+    )
+    assert off.reused_tokens == 0 and off.prefix_cache is None
+    assert len(on.prefix_cache) == 3  # one entry per conversation: extended entries are dropped
+
+
+def test_hf_prefix_cache_mixed_batch_matches_single_requests_without_cache(hf):
+    """One batch of a long hit, a short hit, a hit on the whole prompt (reused but its last
+    token), a miss, a sampled hit, and sampled copies of the long hit's and the miss's prompts
+    (prefilled once); each row equals the same request run alone, cache off."""
+    eos = (hf.tokenizer.eos_token_id,)
+    ask = [
+        GenerationRequest(prompt(hf, t), max_new_tokens=m, temperature=0.0, stop_token_ids=eos)
+        for t, m in (("hi", 10), ("Ava Li and BLEU and GloVe, " * 4, 3), ("x", 6), ("y", 7))
+    ]
+    engine = fresh(hf)
+
+    async def go():
+        try:
+            first = await asyncio.gather(*(engine.generate(r) for r in ask))
+            mixed = [
+                extend(ask[0], first[0], prompt(hf, "[message] what do you know? " * 3)),
+                extend(ask[1], first[1], prompt(hf, "ok")[:2]),
+                replace(ask[2], prompt_ids=[*ask[2].prompt_ids, *first[2].token_ids[:-1]]),
+                GenerationRequest(prompt(hf, "a new game"), 11, temperature=0.0),
+                extend(ask[3], first[3], [5], temperature=0.9, seed=3, max_new_tokens=12),
+            ]
+            mixed += [replace(mixed[0], temperature=0.8, seed=4), replace(mixed[3], seed=5)]
+            assert engine.reused_tokens == 0
+            return first, mixed, await asyncio.gather(*(engine.generate(r) for r in mixed))
+        finally:
+            await engine.aclose()
+
+    first, mixed, gens = run(go())
+    assert engine._batcher.batches == 2  # the mixed requests really shared one batch
+    kept = [len(r.prompt_ids) + len(g.token_ids) - 1 for r, g in zip(ask, first)]
+    assert engine.reused_tokens == kept[0] + kept[1] + (kept[2] - 1) + kept[3]
+    prompts = [r.prompt_ids for r in ask] + list({tuple(r.prompt_ids) for r in mixed})
+    assert engine.prefilled_tokens + engine.reused_tokens == sum(map(len, prompts))
+    off = fresh(hf, prefix_cache_tokens=0)
+    for req, got in zip(mixed, gens):
+        (want,) = run(gather_close(fresh(off), [req]))
+        assert_same_generations(got, want)
+
+
+def test_prefix_cache_takes_the_longest_prefix_and_evicts_within_its_budget():
+    from selfplay.engines.hf import PrefixCache
+
+    def kv(n: int):
+        return torch.arange(n, dtype=torch.float32).reshape(1, 1, 1, n, 1).expand(2, 2, 3, n, 4)
+
+    cache = PrefixCache(budget_tokens=10)
+    cache.put((1, 2), kv(2))
+    cache.put((1, 2, 3, 4), kv(4))
+    cache.put((9, 9, 9), kv(3))
+    assert (len(cache), cache.tokens) == (3, 9)
+    assert cache.take([7, 1, 2, 3, 4, 5]) is None  # a prefix, not any substring
+    assert cache.take([1, 2, 3, 5]).shape[-2] == 2  # (1, 2, 3, 4) does not start it
+    assert cache.take([1, 2, 3, 4, 5]).shape[-2] == 4  # the longest one ...
+    assert cache.take([1, 2, 3, 4, 5]) is None  # ... is taken away: its conversation moved on
+    assert cache.take([9, 9, 9])[0, 0, 0, :, 0].tolist() == [0, 1]  # never the whole prompt
+    cache.put((1,), kv(1))
+    cache.put((2,) * 4, kv(4))
+    cache.put((3,) * 4, kv(4))
+    cache.put((4,) * 3, kv(3))  # 12 tokens > 10: the least recently kept go first
+    assert (len(cache), cache.tokens) == (2, 7)
+    assert cache.take([2] * 5) is None and cache.take([3] * 5) is not None
+    cache.put((5,) * 11, kv(11))  # longer than the whole budget: not kept, nothing evicted
+    assert (len(cache), cache.tokens) == (1, 3)
+
+
+def test_hf_prefix_cache_memory_stays_within_its_budget(hf):
+    """Many conversations through an engine whose budget holds about two of them."""
+    reqs = [GenerationRequest(prompt(hf, f"game {i}"), 6, temperature=0.0) for i in range(6)]
+    size = len(reqs[0].prompt_ids) + 5
+    engine = fresh(hf, prefix_cache_tokens=2 * size + 1)
+    deltas = [[[7, 8]] * len(reqs)] * 2
+    run(converse(engine, reqs, deltas))
+    assert engine.reused_tokens > 0 and 0 < engine.prefix_cache.tokens <= 2 * size + 1
+    assert len(engine.prefix_cache) <= 2
 
 
 def test_hf_sampling_seed_temperature_and_logprob_convention(hf):
@@ -98,10 +237,7 @@ def test_hf_sampling_seed_temperature_and_logprob_convention(hf):
     assert a.token_ids == b.token_ids
     assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a.logprobs, b.logprobs))
     assert a.token_ids != c.token_ids  # one seed per request: a GRPO group does not collapse
-    full = torch.tensor([ids + a.token_ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(hf.model(full).logits[0].float() / 0.7, -1)
-    ref = [logp[len(ids) - 1 + j, t].item() for j, t in enumerate(a.token_ids)]
+    ref = full_forward_logprobs(hf.model, ids, a, temperature=0.7)
     assert max(abs(x - y) for x, y in zip(ref, a.logprobs)) < 1e-4
     # top_p -> 0 keeps only the most likely token: the same as greedy
     (g,) = run(gather_close(fresh(hf), [GenerationRequest(ids, 8, temperature=0.0)]))

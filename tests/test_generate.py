@@ -285,5 +285,14 @@ def test_cli_generate_smoke_and_env_vars(tiny_model, tmp_path, monkeypatch):
     assert records[0].seats[0].sampling.temperature == 0.9
     assert all(len(r.actions) <= 4 for r in records)
     assert "reward mean" in result.output
+    seen = []
+
+    def no_engine(cfg):
+        seen.append(cfg)
+        raise RuntimeError("only the engine config is looked at")
+
+    monkeypatch.setattr("selfplay.runner.open_engine", no_engine)
+    CliRunner().invoke(app, [*args, "--num-games", "4", "--prefix-cache-tokens", "0"])
+    assert seen and seen[0].prefix_cache_tokens == 0  # the flag reaches the engine config
     bad = CliRunner().invoke(app, ["generate", "--engine-url", "http://x:1"])
     assert bad.exit_code == 1

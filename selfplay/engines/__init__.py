@@ -116,6 +116,11 @@ class HFEngineConfig(BaseModel):
     # torch CPU threads (process-wide). None: all cores but one, which the games' event loop
     # needs; oversubscribed OpenMP threads made decoding 10-20x slower on a 2-core machine.
     cpu_threads: int | None = Field(None, ge=1)
+    # Prefix KV cache budget in tokens (0: off). A finished row's KV is kept so that the next turn
+    # of its conversation prefills only the new tokens; the least recently kept go first. A token
+    # costs 2 x layers x kv heads x head dim x dtype bytes: 46 KB for SmolLM2-135M in float32,
+    # 57 KB for Qwen2.5-7B in bfloat16, so the default takes up to 3-4 GB for those models.
+    prefix_cache_tokens: int = Field(65536, ge=0)
 
 
 class SGLangEngineConfig(BaseModel):

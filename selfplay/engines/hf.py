@@ -4,12 +4,41 @@ Prompts are left-padded into one batch; each decoding step samples every row wit
 temperature, top-p and seeded generator, records log-softmax(logits / temperature) of the
 sampled token (before top-p renormalisation, as SGLang reports it), and drops finished rows
 from the batch and the KV cache. A row is answered as soon as it finishes.
+
+A prefix KV cache (SGLang's radix cache, kept simple) spares re-prefilling a conversation: a
+seat's next prompt is its previous prompt + the sampled ids + new delta tokens, and prefill is
+what batching helps least on CPU. A finished row's KV (prompt + generated ids but the last, the
+tokens that went through the model) is kept under those ids; a request whose prompt starts with a
+kept sequence takes it and prefills only the rest. In a batch each row's reused KV is left-padded
+to the longest one and the new tokens are left-padded after it:
+
+    row with a hit:  [pad pad c0 c1 c2 | pad s0 s1]     c: reused KV, s: tokens prefilled now
+    row with a miss: [pad pad pad pad pad | s0 s1 s2]
+
+The 2-D attention mask is 0 on every pad, so the hole in the middle is never attended to (the
+causal mask compares indices, which keep the order of a row's real tokens), and position ids
+are passed explicitly, counting each row's real tokens. Reused KV equals a full prefill's up to
+float rounding (it was computed in another batch), not bit for bit. Identical prompts in one
+batch (the games of a GRPO group start alike) are prefilled once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+)
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from selfplay.engines import (
     EngineRequestError,
@@ -26,9 +55,6 @@ class HFEngine:
     """A Hugging Face causal LM behind the ``Engine`` protocol."""
 
     def __init__(self, config: HFEngineConfig, *, model=None, tokenizer=None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.config = config
         self.name = config.model
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,6 +77,8 @@ class HFEngine:
                     "HF model id this machine can download."
                 ) from e
         self.model = model.to(self.device).eval()
+        if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":
+            self.model.set_attn_implementation(_grouped_sdpa())
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._pad_id = next(
             (
@@ -64,6 +92,14 @@ class HFEngine:
             self._run_batch, max_batch_size=config.max_batch_size, name=f"hf engine {self.name}"
         )
         self.generated_tokens = 0
+        self.prefilled_tokens = 0  # prompt tokens fed through the model
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead
+        self._cache_layers = _plain_cache_layers(self.model)
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache_tokens)
+            if config.prefix_cache_tokens and self._cache_layers
+            else None
+        )
 
     async def start(self) -> None:
         return None
@@ -78,8 +114,6 @@ class HFEngine:
     # the decoding loop (runs in a worker thread)
 
     def _run_batch(self, requests: list[GenerationRequest], replies: list[Reply]) -> None:
-        import torch
-
         # Requests that cannot fit are answered with an error; the rest are decoded together.
         rows: list[int] = []
         budget: list[int] = []
@@ -105,20 +139,16 @@ class HFEngine:
     def _decode(
         self, requests: list[GenerationRequest], replies: list[Reply], budget: list[int]
     ) -> None:
-        import torch
-        from transformers import DynamicCache
-
         dev = self.device
         n = len(requests)
-        lengths = [len(r.prompt_ids) for r in requests]
-        width = max(lengths)
-        ids = torch.full((n, width), self._pad_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - lengths[i] :] = torch.tensor(list(r.prompt_ids), dtype=torch.long)
-            attn[i, width - lengths[i] :] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        # Identical prompts (the games of a GRPO group all start alike) are prefilled once.
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in requests]
+        cache, logits, attn, last_pos = self._prefill(list(first), max(budget))
+        if len(first) < n:
+            index = torch.tensor(source, device=dev)
+            cache.batch_select_indices(index)
+            logits, attn, last_pos = logits[index], attn[index], last_pos[index]
         temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=dev)
         top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=dev)
         gens = [_generator(r.seed) for r in requests]
@@ -126,17 +156,6 @@ class HFEngine:
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
         active = list(range(n))  # original row of each current batch row
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :]
-        last_pos = positions[:, -1]
         while active:
             if self._batcher.stopping.is_set():
                 return
@@ -148,11 +167,16 @@ class HFEngine:
                 out_ids[row].append(tok_l[b])
                 out_lp[row].append(lp_l[b])
                 if tok_l[b] in stops[row]:
-                    self._finish(row, requests, replies, out_ids, out_lp, "stop")
+                    reason = "stop"
                 elif len(out_ids[row]) >= budget[row]:
-                    self._finish(row, requests, replies, out_ids, out_lp, "length")
+                    reason = "length"
                 else:
                     keep.append(b)
+                    continue
+                if self.prefix_cache is not None:
+                    fed = (*requests[row].prompt_ids, *out_ids[row][:-1])
+                    self.prefix_cache.put(fed, _row_kv(cache, b, attn[b]))
+                self._finish(row, requests, replies, out_ids, out_lp, reason)
             if not keep:
                 break
             if len(keep) < len(active):
@@ -172,6 +196,58 @@ class HFEngine:
             )
             logits = out.logits[:, -1, :]
 
+    def _prefill(
+        self, prompts: list[tuple[int, ...]], room: int
+    ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feed the prompts through the model, each after its longest kept prefix (the layout of
+        the module docstring): (cache, last logits, attention mask, last positions) per prompt.
+        ``room``: the tokens that decoding may add."""
+        dev = self.device
+        n = len(prompts)
+        kept = [
+            self.prefix_cache.take(p) if self.prefix_cache is not None else None for p in prompts
+        ]
+        reused = [0 if kv is None else kv.shape[-2] for kv in kept]
+        new = [len(p) - c for p, c in zip(prompts, reused)]
+        self.reused_tokens += sum(reused)
+        self.prefilled_tokens += sum(new)
+        past, width = max(reused), max(new)
+        ids = torch.full((n, width), self._pad_id, dtype=torch.long)
+        attn = torch.zeros((n, past + width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - new[i] :] = torch.tensor(p[reused[i] :])
+            attn[i, past - reused[i] : past] = 1
+            attn[i, past + width - new[i] :] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        cache = self._batch_cache(kept, past, past + width + room)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, out.logits[:, -1, :], attn, positions[:, -1]
+
+    def _batch_cache(self, kept: list[torch.Tensor | None], past: int, capacity: int) -> Cache:
+        """The batch's KV cache, room for ``capacity`` tokens, each row's kept KV left-padded to
+        ``past`` tokens (zeros) in it; a plain DynamicCache for models with other layers."""
+        if not self._cache_layers:
+            return DynamicCache(config=self.model.config)
+        cache = Cache(layers=[_PreallocatedLayer(capacity) for _ in range(self._cache_layers)])
+        if past:
+            some = next(kv for kv in kept if kv is not None)
+            layers, _, heads, _, dim = some.shape
+            kv = some.new_zeros((layers, 2, len(kept), heads, past, dim))
+            for i, row in enumerate(kept):
+                if row is not None:
+                    kv[:, :, i, :, past - row.shape[-2] :] = row
+            for layer, (keys, values) in zip(cache.layers, kv):
+                layer.update(keys, values)
+        return cache
+
     def _finish(self, row, requests, replies, out_ids, out_lp, reason) -> None:
         self.generated_tokens += len(out_ids[row])
         replies[row](
@@ -187,9 +263,144 @@ class HFEngine:
         )
 
 
-def _generator(seed: int | None):
-    import torch
+class PrefixCache:
+    """Finished rows' KV caches keyed by the token ids they cover, least recently kept evicted.
 
+    An entry is a tensor ``[layers, 2 (key, value), kv heads, tokens, head dim]``. ``take``
+    removes what it returns: a conversation only grows, so its next turn keeps a longer entry and
+    the old one would never be used again. Only the engine's worker thread touches it.
+    """
+
+    def __init__(self, budget_tokens: int) -> None:
+        self.budget_tokens = budget_tokens
+        self.tokens = 0  # tokens held, at most budget_tokens
+        self._entries: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, ids: tuple[int, ...], kv: torch.Tensor) -> None:
+        if len(ids) > self.budget_tokens:
+            return
+        if self._entries.pop(ids, None) is not None:
+            self.tokens -= len(ids)
+        self._entries[ids] = kv
+        self.tokens += len(ids)
+        while self.tokens > self.budget_tokens:
+            evicted, _ = self._entries.popitem(last=False)
+            self.tokens -= len(evicted)
+
+    def take(self, prompt: Sequence[int]) -> torch.Tensor | None:
+        """Remove and return the KV of the longest kept sequence that starts ``prompt`` (None if
+        none), cut to ``len(prompt) - 1`` tokens so that at least one token is fed to the model.
+        """
+        best: tuple[int, ...] = ()
+        for ids in self._entries:
+            n = len(ids)
+            # the last-token test rejects almost every other conversation before the full compare
+            if (
+                len(best) < n <= len(prompt)
+                and ids[-1] == prompt[n - 1]
+                and ids == tuple(prompt[:n])
+            ):
+                best = ids
+        if not best:
+            return None
+        kv = self._entries.pop(best)
+        self.tokens -= len(best)
+        return kv[..., : len(prompt) - 1, :]
+
+
+def _plain_cache_layers(model) -> int:
+    """How many KV layers the model caches when all are plain full attention, else 0.
+
+    Only such layers can be cut per row, padded back together and preallocated; a sliding-window
+    or recurrent layer keeps state that this scheme cannot splice, so such a model decodes with
+    transformers' own DynamicCache and no prefix cache.
+    """
+    layers = DynamicCache(config=model.config).layers
+    if all(type(layer) is DynamicLayer for layer in layers):
+        return len(layers)
+    log.info("prefix cache off: %s has non-full-attention cache layers", type(model).__name__)
+    return 0
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer that writes new tokens into room allocated once per batch.
+
+    ``DynamicLayer.update`` concatenates, which copies the layer's whole cache at every decoding
+    step: a step of 32 rows over 500 tokens took 1.7 ms instead of 2.0 ms on the tiny test model
+    and 222 ms instead of 262 ms with SmolLM2-135M's shapes (one thread), and the copy grows with
+    the context. ``capacity`` is all the batch can reach (reused + prefilled tokens + the longest
+    generation budget).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self._keys: torch.Tensor | None = None  # the room; self.keys and self.values view it
+        self._values: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self._keys is None:
+            self.lazy_initialization(key_states, value_states)
+            shape = (*key_states.shape[:-2], self.capacity, key_states.shape[-1])
+            self._keys, self._values = key_states.new_empty(shape), value_states.new_empty(shape)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._keys is not None:
+            end = self.get_seq_length()
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+
+
+def _grouped_sdpa() -> str:
+    """Register and name SDPA attention that never copies KV heads for query groups.
+
+    transformers' SDPA repeats each KV head for its query group whenever there is a padding
+    mask (torch's CUDA kernels cannot combine GQA with a mask), which on CPU copies the whole KV
+    cache at every decoding step of a padded batch. torch's CPU kernels take ``enable_gqa`` with a
+    mask: a decoding step of 32 rows over 500 tokens took 2.0 ms instead of 5-6 ms on the tiny
+    test model and 262 ms instead of 460 ms with SmolLM2-135M's shapes (one thread).
+    """
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        causal = kw.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=query.shape[2] > 1 and attention_mask is None and causal,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    name = "selfplay_grouped_sdpa"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _row_kv(cache, b: int, attn_row):
+    """Batch row ``b``'s KV over its real tokens (mask 1), pads and holes dropped: a new tensor
+    ``[layers, 2, kv heads, tokens, head dim]`` that does not hold the batch cache alive."""
+    real = attn_row.nonzero()[:, 0]
+    return torch.stack(
+        [torch.stack((layer.keys[b][:, real], layer.values[b][:, real])) for layer in cache.layers]
+    )
+
+
+def _generator(seed: int | None):
     g = torch.Generator()
     g.manual_seed(int(seed) % (2**63) if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
     return g
@@ -201,8 +412,6 @@ def _sample(logits, temps, top_p, u):
     Temperature 0 is greedy (its log-prob is the plain log-softmax). The log-prob is taken before
     the top-p cut, the convention of SGLang and vLLM.
     """
-    import torch
-
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
