@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from selfplay.engines import Generation, GenerationRequest
@@ -41,6 +43,13 @@ class ScriptEngine:
 @pytest.fixture(scope="module")
 def chat(tiny_model) -> ChatFormat:
     return load_chat_format(str(tiny_model))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300) | st.sampled_from(["<|im_end|>\n<|im_start|>user\nhi", " \n\n  x"]))
+def test_encode_gives_the_tokenizers_own_ids(chat, text):
+    """The fast path (the Rust tokenizer's batch call) must be the tokenizer's tokenisation."""
+    assert chat.encode(text) == chat.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_tokens_are_append_only_and_render_like_the_template(chat):

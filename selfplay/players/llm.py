@@ -127,8 +127,11 @@ class ChatFormat:
         return owed
 
     def encode(self, text: str) -> list[int]:
-        if self._backend is not None:  # the Rust tokenizer itself: same ids, less overhead
-            return self._backend.encode(text, add_special_tokens=False).ids
+        if self._backend is not None:
+            # The Rust tokenizer itself: same ids, less overhead. Its batch call without offsets
+            # is ~20% faster than encode() even for one text, and every action of every game
+            # waits for one encode on the event loop.
+            return self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
