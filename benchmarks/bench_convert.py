@@ -7,6 +7,7 @@ conversion's alone and comparable across sizes: it should stay flat while the fi
 
     .venv/bin/python benchmarks/bench_convert.py                 # 2,500 / 5,000 / 10,000 games
     .venv/bin/python benchmarks/bench_convert.py --sizes 1000 --keep
+    .venv/bin/python benchmarks/bench_convert.py --sizes 10000 --compression lz4  # the trade
 """
 
 from __future__ import annotations
@@ -129,17 +130,19 @@ def _peak_rss_kb() -> int:
 
 
 def floor(path: Path) -> float:
-    """Games/s of orjson.loads alone on the same file: what any Python converter starts from."""
+    """Games/s of orjson.loads alone on the same file: what any Python converter starts from.
+    Read with convert's 1 MB buffer: with the default 8 KB one, reading a line costs a third of
+    parsing it."""
     t = time.process_time()
     n = 0
-    with path.open("rb") as f:
+    with path.open("rb", buffering=1 << 20) as f:
         for line in f:
             orjson.loads(line)
             n += 1
     return n / (time.process_time() - t)
 
 
-def _child(games: str, out: str) -> None:
+def _child(games: str, out: str, compression: str) -> None:
     """Run one conversion pinned to one core and print its numbers as JSON."""
     import pyarrow as pa
 
@@ -152,7 +155,7 @@ def _child(games: str, out: str) -> None:
     parse_only = floor(Path(games))  # same core, same file, just before: a fair reference
     base = _peak_rss_kb()
     t, cpu = time.perf_counter(), time.process_time()
-    s = convert(ConvertConfig(games=Path(games), out=Path(out)))
+    s = convert(ConvertConfig(games=Path(games), out=Path(out), compression=compression))
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     peak = _peak_rss_kb()
     print(
@@ -175,6 +178,7 @@ def main(
     sizes: str = typer.Option("2500,5000,10000", help="Comma-separated numbers of games."),
     k: int = typer.Option(8, help="Games per scenario."),
     keep: bool = typer.Option(False, help="Keep the temporary directory."),
+    compression: str = typer.Option("zstd", help="Parquet compression: zstd, lz4, snappy, none."),
     child: list[str] = typer.Option([], hidden=True),
 ) -> None:
     if child:
@@ -201,8 +205,16 @@ def main(
                 for _, line in zip(range(n), src):
                     dst.write(line)
         mb = games.stat().st_size / 1e6
+        # games.jsonl is written as games finish, with an fsync per batch, so it is on disk by the
+        # time convert reads it; without this, the kernel writes the fresh copy back during the
+        # conversion, on the same CPUs (10-20% slower, more noise)
+        os.sync()
         res = subprocess.run(
-            [sys.executable, __file__, "--child", str(games), "--child", str(tmp / f"out_{n}")],
+            [
+                sys.executable,
+                __file__,
+                *(f"--child={a}" for a in (games, tmp / f"out_{n}", compression)),
+            ],
             check=True,
             capture_output=True,
             text=True,

@@ -282,6 +282,100 @@ def test_mask_one_tokens_decode_to_the_seats_own_actions(tmp_path, tiny_model):
         assert row["response_mask"][-1] == 1  # the reward lands on the seat's own last token
 
 
+@st.composite
+def random_seat_tokens(draw) -> SeatTokens:
+    """A random layout: a prompt, then spans of own (mask 1) and other tokens (possibly no own
+    one), with values up to the limits of int32 ids and float32 log-probs, and unicode chat."""
+    spans = st.lists(st.tuples(st.booleans(), st.integers(1, 4)), min_size=1, max_size=5)
+    mask = [0] * draw(st.integers(1, 4))
+    for own, n in draw(spans):
+        mask += [int(own)] * n
+    n = len(mask)
+    ids = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+    logprobs = draw(st.lists(f32, min_size=n, max_size=n))
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": st.text(max_size=8)}
+    )
+    messages = draw(st.lists(message, max_size=4))
+    return SeatTokens(token_ids=ids, mask=mask, logprobs=logprobs, messages=messages)
+
+
+def expected_row(tokens: SeatTokens, max_length: int) -> dict | None:
+    """The row a seat's tokens should give, computed the obvious way (None: dropped)."""
+    own = [i for i, m in enumerate(tokens.mask) if m == 1]
+    if not own or own[-1] + 1 > max_length:
+        return None
+    first, end = own[0], own[-1] + 1
+    roles = [m["role"] for m in tokens.messages]
+    n_prompt = roles.index("assistant") if "assistant" in roles else len(roles)
+    return {
+        "prompt_ids": tokens.token_ids[:first],
+        "response_ids": tokens.token_ids[first:end],
+        "response_mask": tokens.mask[first:end],
+        "rollout_logprobs": tokens.logprobs[first:end],  # float32 values: exact
+        "messages": tokens.messages,
+        "prompt": tokens.messages[:n_prompt],
+    }
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seats=st.lists(st.tuples(random_seat_tokens(), random_seat_tokens()), min_size=1, max_size=8),
+    max_length=st.integers(2, 30),
+    batch_rows=st.integers(1, 4),
+)
+def test_rows_hold_exactly_the_recorded_tokens(seats, max_length, batch_rows):
+    # every game a different reward, in two scenarios: every group of two or more rows is written
+    records = [game(f"g{i}", f"s{i % 2}", i / 10, tokens=pair) for i, pair in enumerate(seats)]
+    expected = {
+        (r.game_id, seat): (r.scenario_id, row)
+        for r in records
+        for seat in (0, 1)
+        if (row := expected_row(r.tokens[seat], max_length)) is not None
+    }
+    rows_of_scenario = defaultdict(int)
+    for sid, _ in expected.values():
+        rows_of_scenario[sid] += 1
+    expected = {k: row for k, (sid, row) in expected.items() if rows_of_scenario[sid] >= 2}
+    with tempfile.TemporaryDirectory() as d:
+        cfg = dict(max_length=max_length, batch_rows=batch_rows, keep_degenerate=True)
+        if not expected:
+            with pytest.raises(ConvertError):
+                run(Path(d), records, **cfg)
+            return
+        s, train, _ = run(Path(d), records, **cfg)
+    columns = next(iter(expected.values())).keys()
+    assert {(r["game_id"], r["seat"]): {k: r[k] for k in columns} for r in train} == expected
+    # the summary's length statistics are those of the written rows
+    lengths = {
+        "prompt": [len(r["prompt_ids"]) for r in expected.values()],
+        "response": [len(r["response_ids"]) for r in expected.values()],
+        "own": [sum(r["response_mask"]) for r in expected.values()],
+    }
+    lengths["total"] = [p + r for p, r in zip(lengths["prompt"], lengths["response"])]
+    for name, stats in (
+        ("prompt", s.length_prompt),
+        ("response", s.length_response),
+        ("own", s.own_tokens),
+        ("total", s.length_total),
+    ):
+        values = lengths[name]
+        assert (stats.max, stats.mean) == (max(values), round(sum(values) / len(values), 2))
+
+
+def test_a_line_longer_than_the_read_buffer(tmp_path):
+    n = 120_000  # about 1.5 MB of JSON
+    big = SeatTokens(token_ids=list(range(n)), mask=[0] + [1] * (n - 1), logprobs=[-0.5] * n)
+    records = [game("a1", "A", 0.2, tokens=(big, hand_tokens(1))), game("a2", "A", 0.8)]
+    assert len(dump_record(records[0])) > 1 << 20
+    s, train, _ = run(tmp_path, records, max_length=n)
+    row = next(r for r in train if (r["game_id"], r["seat"]) == ("a1", 0))
+    assert (row["prompt_ids"], row["response_ids"]) == ([0], list(range(1, n)))
+    assert row["rollout_logprobs"] == [-0.5] * (n - 1)
+    assert s.length_total.max == n
+
+
 # ---------------------------------------------------------------------------------------------
 # groups
 
@@ -509,6 +603,49 @@ def test_torn_and_corrupt_lines_are_skipped_and_reported_with_their_line_number(
     assert "token_ids" in reasons[6]
     assert "not valid JSON" in reasons[8]
     assert {r["game_id"] for r in pq.read_table(s.train_path).to_pylist()} == {"a1", "a2", "a3"}
+
+
+# hand_tokens(0): ids 100 101 102 | 200 201 | 300 301 302 | 210 211 | 301 302 303, the own tokens
+# (mask 1) at 3, 4, 8, 9: the response is indices 3 to 9
+@pytest.mark.parametrize(
+    ("field", "index", "value", "reason"),
+    [
+        ("token_ids", 5, 2**31, "token_ids must be int32"),
+        ("token_ids", 0, -1, "token_ids must not be negative"),
+        ("token_ids", 12, 1.5, "token_ids must be int32"),
+        ("mask", 3, 2, "mask values must be 0 or 1"),
+        ("mask", 4, "1", "mask values must be 0 or 1"),
+        ("mask", 0, 1, "there is no prompt"),
+        ("logprobs", 4, "x", "logprobs must be finite float32 numbers"),
+        ("logprobs", 9, 1e39, "logprobs must be finite float32 numbers"),  # beyond float32
+        ("logprobs", 0, "x", None),  # outside the response: never read
+        ("messages", 1, {"role": "user", "content": 7}, "messages must be a list"),
+        ("messages", 1, ["user", "hi"], "messages must be a list"),
+    ],
+)
+def test_a_bad_token_value_skips_its_line_and_nothing_else(tmp_path, field, index, value, reason):
+    scenarios = ("s0", "s1", "s5")  # s5 falls in the validation split at val_fraction 0.5
+    good = [game(f"g{i:02d}", scenarios[i % 3], (i % 4) / 4) for i in range(20)]
+    bad = orjson.loads(dump_record(game("bad", "s0", 0.9)))
+    bad["tokens"][0][field][index] = value
+    blank = b" \t\r\n"  # whitespace only: not a record, not an error
+    lines = [*good[:10], orjson.dumps(bad) + b"\n", *good[10:15], blank, *good[15:]]
+    cfg = dict(val_fraction=0.5, batch_rows=3)  # several batches, both splits, the spool
+    s = convert(ConvertConfig(games=write(tmp_path / "g.jsonl", lines), out=tmp_path / "a", **cfg))
+    ref = convert(ConvertConfig(games=write(tmp_path / "r.jsonl", good), out=tmp_path / "b", **cfg))
+    assert ref.rows_train and ref.rows_val
+    if reason is None:
+        assert (s.games_read, s.lines_skipped) == (21, 0)
+        return
+    assert (s.games_read, s.lines_skipped) == (20, 1)
+    [(line, why)] = s.skipped
+    assert line == 11 and reason in why
+    # the good games give exactly the rows and numbers they give without the bad line
+    for name in ("train_path", "val_path"):
+        assert pq.read_table(getattr(s, name)).equals(pq.read_table(getattr(ref, name)))
+    paths_and_times = {"games_path", "train_path", "val_path", "seconds", "games_per_second"}
+    skip = paths_and_times | {"lines_skipped", "skipped"}
+    assert s.model_dump(exclude=skip) == ref.model_dump(exclude=skip)
 
 
 def test_validate_records_checks_the_whole_record(tmp_path):
