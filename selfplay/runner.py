@@ -28,9 +28,11 @@ import itertools
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -312,16 +314,24 @@ class _Scenarios:
         self.lookahead = max(1, lookahead)
         self.count = math.ceil(config.num_games / config.games_per_scenario)
         self._cache: dict[int, asyncio.Future] = {}
+        # One thread per core: numpy releases the GIL only in the large steps of a scenario, so
+        # asyncio's default pool (cores + 4 threads) made 64 scenarios no faster than one thread
+        # on 2 cores (0.73 s), and 2 threads 30% faster (0.54 s).
+        self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="scenarios")
 
     def _future(self, index: int) -> asyncio.Future:
         future = self._cache.get(index)
         if future is None:
             seed = scenario_seed(self.config.seed, self.config.round, index)
-            future = asyncio.ensure_future(
-                asyncio.to_thread(generate_scenario, seed, self.config.table_size)
+            future = asyncio.get_running_loop().run_in_executor(
+                self._pool, generate_scenario, seed, self.config.table_size
             )
             self._cache[index] = future
         return future
+
+    def close(self) -> None:
+        """Stop the threads; scenarios being made are dropped (no game is waiting for them)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def get(self, spec: GameSpec) -> asyncio.Future:
         i = spec.scenario_index
@@ -421,7 +431,11 @@ async def generate_games(
     first_wave = list(itertools.islice(pending, width))
     specs = itertools.chain(first_wave, pending)
     scenarios = _Scenarios(config, lookahead=2 + width // config.games_per_scenario)
-    await scenarios.warm(first_wave)
+    try:
+        await scenarios.warm(first_wave)
+    except BaseException:  # Ctrl-C or a bad table size before any game started
+        scenarios.close()
+        raise
     writer = _Writer(config.games_path)
     summary = Summary()  # this run's games as they finish; kept ones are read back at the end
 
@@ -476,6 +490,7 @@ async def generate_games(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        scenarios.close()
         await writer.close()
         stats.seconds = time.perf_counter() - stats.started
         if progress:
