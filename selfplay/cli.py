@@ -36,9 +36,14 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _set(**options) -> dict:
-    """The options that were given (not None), so a config's own defaults apply to the rest."""
-    return {k: v for k, v in options.items() if v is not None}
+def _hf_engine(
+    model: str, device: str | None, max_batch_size: int, prefix_cache_tokens: int | None
+):
+    """The hf engine config of generate and iterate; options not given keep the config's default."""
+    from selfplay.engines import HFEngineConfig
+
+    given = {} if prefix_cache_tokens is None else {"prefix_cache_tokens": prefix_cache_tokens}
+    return HFEngineConfig(model=model, device=device, max_batch_size=max_batch_size, **given)
 
 
 # Options shared by several commands, defined once so their checks and help stay the same.
@@ -449,7 +454,7 @@ def generate(
 
     from rich.console import Console as _Console
 
-    from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
+    from selfplay.engines import EngineFailure, SGLangEngineConfig
     from selfplay.generate_config import GenerateConfig
     from selfplay.models import resolve_model
     from selfplay.players.llm import TemplateError
@@ -485,12 +490,7 @@ def generate(
             partner_max_calls=partner_max_calls,
         )
         if engine == "hf":
-            engine_cfg = HFEngineConfig(
-                model=model_path,
-                device=device,
-                max_batch_size=max_batch_size,
-                **_set(prefix_cache_tokens=prefix_cache_tokens),
-            )
+            engine_cfg = _hf_engine(model_path, device, max_batch_size, prefix_cache_tokens)
         else:
             engine_cfg = SGLangEngineConfig(
                 model=model_path,
@@ -648,7 +648,7 @@ def iterate_cmd(
     """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
 
     from selfplay.convert import ConvertError
-    from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
+    from selfplay.engines import EngineFailure, SGLangEngineConfig
     from selfplay.iterate import IterateConfig, IterateError, TrainOptions, iterate
     from selfplay.models import resolve_model
     from selfplay.records import RecordError, SamplingParams
@@ -657,12 +657,7 @@ def iterate_cmd(
         initial = resolve_model(model)
         match engine:
             case "hf":
-                engine_cfg = HFEngineConfig(
-                    model=initial,
-                    device=device,
-                    max_batch_size=max_batch_size,
-                    **_set(prefix_cache_tokens=prefix_cache_tokens),
-                )
+                engine_cfg = _hf_engine(initial, device, max_batch_size, prefix_cache_tokens)
             case "sglang":
                 engine_cfg = SGLangEngineConfig(
                     model=initial,

@@ -218,7 +218,7 @@ def _restored_environ() -> Iterator[None]:
     process starts later (``selfplay iterate`` runs its stages as subprocesses), whose own
     process group then fails to bind that port.
     """
-    keys = ["REDIS_STORE_SERVER_HOST", *_WORKER_ENV]
+    keys = ["REDIS_STORE_SERVER_HOST", "MASTER_PORT", *_WORLD_OF_ONE]
     saved = {k: os.environ.get(k) for k in keys}
     try:
         yield
@@ -230,7 +230,14 @@ def _restored_environ() -> Iterator[None]:
                 os.environ[key] = value
 
 
-_WORKER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# the rendezvous of a world of one process (MASTER_PORT, a free port, is added when it is set)
+_WORLD_OF_ONE = {
+    "MASTER_ADDR": "127.0.0.1",
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "1",
+}
 
 
 def _init_single_process_group(device: str) -> None:
@@ -240,15 +247,10 @@ def _init_single_process_group(device: str) -> None:
     """
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    for key, value in (
-        ("RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("LOCAL_RANK", "0"),
-        ("LOCAL_WORLD_SIZE", "1"),
-    ):
+    for key, value in _WORLD_OF_ONE.items():
         os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
     if dist.is_initialized():  # an earlier engine in this process (tests, notebooks)
         if dist.get_world_size() != 1:
             raise RuntimeError(
