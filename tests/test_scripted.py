@@ -34,6 +34,21 @@ def test_values_round_trip():
     assert parse_values(text, 8) == known
 
 
+def test_values_parse_from_the_cooperative_message():
+    """The first reviewer after "My known scores:" is read too (it used to be dropped)."""
+    view = SCENARIO.view(0)
+    known = {(r, p): v for r, row in enumerate(view) for p, v in enumerate(row) if v is not None}
+    message = "My known scores: " + format_values(view, range(8))
+    assert parse_values(message, 8) == known
+
+
+def test_cooperative_pair_agrees_on_small_tables():
+    """With every value heard, two cooperative seats settle on 3x3 (they ran out of actions)."""
+    result = evaluate_scripted(("cooperative", "cooperative"), num_games=100, seed=7, n=3)
+    assert result["agreement_rate"] == 1.0
+    assert result["reward_mean"] >= 0.9
+
+
 def test_partner_events_split_and_strip_choices():
     obs = "Partner: [message] hi there\n\nPartner: [propose] Proposal:\nBLEU: Ava Li\n"
     obs += "You can output one of these choices: [accept] or [reject]"

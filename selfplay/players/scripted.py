@@ -72,8 +72,9 @@ def parse_values(text: str, n: int) -> dict[tuple[int, int], int]:
     short = {s.casefold(): i for i, s in enumerate(PAPERS_SHORT[:n])}
     found: dict[tuple[int, int], int] = {}
     for segment in text.split(";"):
-        name, _, items = segment.partition(":")
-        name = name.strip()
+        # "My known scores: Ava Li: BLEU 320, ..." -- the name is what stands before the last colon
+        head, _, items = segment.rpartition(":")
+        name = head.rpartition(":")[2].strip()
         if name not in REVIEWERS[:n]:
             continue
         r = REVIEWERS.index(name)
