@@ -405,6 +405,77 @@ def train(
         console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
 
 
+@app.command("sft")
+def sft_cmd(
+    out: Path = typer.Option(..., help="Output: the new HF model dir, metrics.json, sft_data/."),
+    model: str | None = typer.Option(
+        None, envvar="MODEL_NAME", help="Model to fine-tune (HF id or dir; default: embedded)."
+    ),
+    teacher: str | None = typer.Option(
+        None, help="Clone a scripted policy: scripted:NAME (cooperative, no-talk, shy, random)."
+    ),
+    partner: str | None = typer.Option(
+        None, help="teacher: the other seat's scripted policy when one seat is cloned."
+    ),
+    clone: str = typer.Option("both", help="teacher: the seats to clone: both, 1 or 2."),
+    num_games: int = typer.Option(1000, min=1, help="teacher: games to play and clone."),
+    table_size: int = typer.Option(3, min=3, max=8, help="teacher: table size n (n x n)."),
+    games: Path | None = typer.Option(
+        None, help="Clone our own games: a games.jsonl (filtered by --min-reward)."
+    ),
+    min_reward: float = typer.Option(0.0, help="games: keep games with at least this reward."),
+    epochs: int = typer.Option(1, min=1, help="Passes over the rows."),
+    lr: float = typer.Option(1e-4, min=0.0, help="Learning rate (AdamW)."),
+    mini_batch_size: int = typer.Option(8, min=1, help="Rows per optimizer update."),
+    micro_batch_size: int = typer.Option(4, min=1, help="Rows per forward/backward per device."),
+    dtype: str | None = typer.Option(
+        None, help="Compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."
+    ),
+    max_length: int = typer.Option(4096, min=2, help="Rows with more tokens are left out."),
+    gpus: int = typer.Option(0, min=0, help="GPUs per node (0: CPU, in-process)."),
+    seed: int = typer.Option(0, min=0, help="Seed of the teacher's scenarios and the shuffling."),
+) -> None:
+    """Behaviour cloning: fine-tune on token-exact teacher rows with verl's SFT loss."""
+    from selfplay.models import resolve_model
+    from selfplay.sft import SFTConfig, SFTError, sft
+    from selfplay.train.batch import TrainDataError
+
+    try:
+        cfg = SFTConfig(
+            model=resolve_model(model),
+            out=out,
+            teacher=teacher,
+            partner=partner,
+            clone=clone,
+            num_games=num_games,
+            table_size=table_size,
+            games=games,
+            min_reward=min_reward,
+            epochs=epochs,
+            lr=lr,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            dtype=dtype,
+            max_length=max_length,
+            gpus=gpus,
+            seed=seed,
+        )
+    except ValidationError as e:
+        raise bad_option(e) from None
+
+    def on_step(m, total: int) -> None:
+        console.print(
+            f"sft update {m.step}/{total}: loss {m.loss:.4f} grad {m.grad_norm:.3f} "
+            f"{m.tokens_per_s:.0f} tok/s"
+        )
+
+    try:
+        result = sft(cfg, on_step=on_step)
+    except (SFTError, TrainDataError, FileExistsError, RuntimeError) as e:
+        raise fail(str(e)) from None
+    console.print(f"{result.rows} rows {result.sources}; model: {result.model_dir}")
+
+
 @app.command("generate")
 def generate(
     num_games: int = typer.Option(200, envvar="NUM_GAMES", min=1, help="Games in total."),
@@ -636,12 +707,41 @@ def iterate_cmd(
     val_fraction: float = typer.Option(0.0, min=0.0, max=0.99),
     max_length: int = typer.Option(4096, min=2, help="Rows longer than this are dropped."),
     keep_degenerate: bool = typer.Option(False, help="Train even on groups with equal rewards."),
+    invalid_penalty: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="Reward -P (instead of 0) for the seat whose invalid actions ended a game; its "
+        "partner keeps 0.",
+    ),
     lr: float = typer.Option(1e-6),
     batch_size: int | None = typer.Option(None, envvar="TRAIN_BATCH_SIZE"),
-    mini_batch_size: int | None = typer.Option(None),
+    mini_batch_size: int | None = typer.Option(
+        None, help="Rows per optimizer update (default: a round's rows / --updates-per-round)."
+    ),
+    updates_per_round: int = typer.Option(
+        4, min=1, help="Optimizer updates per round when --mini-batch-size is not given."
+    ),
     micro_batch_size: int = typer.Option(4, envvar="MICRO_BATCH_SIZE"),
     kl_coef: float = typer.Option(0.0),
+    entropy_coef: float = typer.Option(0.0, min=0.0, help="Entropy bonus in the GRPO loss."),
+    dtype: str | None = typer.Option(
+        None, help="Training compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."
+    ),
     gpus: int = typer.Option(0, help="Training GPUs (0: CPU)."),
+    warm_start: str | None = typer.Option(
+        None,
+        help="Before round 0: scripted:NAME:GAMES (behaviour cloning of a scripted policy on "
+        "GAMES games, e.g. scripted:cooperative:400) or a model dir to start from.",
+    ),
+    warm_start_lr: float = typer.Option(1e-4, help="Warm start: SFT learning rate."),
+    warm_start_epochs: int = typer.Option(1, min=1, help="Warm start: passes over its rows."),
+    warm_start_mini_batch_size: int = typer.Option(
+        4, min=1, help="Warm start: rows per optimizer update."
+    ),
+    eval_scenarios: int = typer.Option(
+        30, min=0, help="Held-out scenarios each round's model plays greedily (0: none)."
+    ),
+    eval_seed: int = typer.Option(7, min=0, help="Picks the held-out scenarios."),
     force: bool = typer.Option(False, help="Resume even though the options changed."),
     report: bool = typer.Option(True, help="Write the run report at the end."),
 ) -> None:
@@ -694,14 +794,24 @@ def iterate_cmd(
             val_fraction=val_fraction,
             max_length=max_length,
             keep_degenerate=keep_degenerate,
+            invalid_penalty=invalid_penalty,
             train=TrainOptions(
                 lr=lr,
                 batch_size=batch_size,
                 mini_batch_size=mini_batch_size,
+                updates_per_round=updates_per_round,
                 micro_batch_size=micro_batch_size,
                 kl_coef=kl_coef,
+                entropy_coef=entropy_coef,
+                dtype=dtype,
                 gpus=gpus,
             ),
+            warm_start=warm_start,
+            warm_start_lr=warm_start_lr,
+            warm_start_epochs=warm_start_epochs,
+            warm_start_mini_batch_size=warm_start_mini_batch_size,
+            eval_scenarios=eval_scenarios,
+            eval_seed=eval_seed,
         )
     except ValidationError as e:
         raise bad_option(e) from None
@@ -720,9 +830,11 @@ def iterate_cmd(
 def report_cmd(
     run: str = typer.Argument(..., help="Run name (data/RUN) or a run directory."),
     data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives."),
-    table_size: int = typer.Option(8, min=3, max=8, help="Table size for the scripted baselines."),
+    table_size: int | None = typer.Option(
+        None, min=3, max=8, help="Table size of the scripted baselines (default: the run's own)."
+    ),
 ) -> None:
-    """Write PNG plots and REPORT.md for a run from its metrics.jsonl."""
+    """Write PNG plots and REPORT.md for a run from its metrics.jsonl and manifest."""
     from selfplay.report import ReportError, write_report
 
     run_dir = Path(run) if Path(run).is_dir() else data_root / run

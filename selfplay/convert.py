@@ -38,7 +38,7 @@ import math
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -89,6 +89,9 @@ class ConvertConfig(BaseModel):
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     max_length: int = Field(4096, ge=2, description="rows with more prompt+response tokens drop")
     keep_degenerate: bool = False
+    # a seat whose invalid actions ended the game (outcome "invalid") gets -invalid_penalty
+    # instead of the shared 0; its partner keeps 0 (a per-seat format penalty, as in SPIRAL)
+    invalid_penalty: float = Field(0.0, ge=0.0)
     validate_records: bool = Field(False, description="full pydantic validation (slower)")
     batch_rows: int = Field(256, ge=1, description="rows per parquet row group")
     compression: Literal["zstd", "lz4", "snappy", "none"] = "zstd"
@@ -275,6 +278,7 @@ def _rows_of_record(obj: dict, config: ConvertConfig) -> tuple[list[_Row], _Line
 
     rows: list[_Row] = []
     no_tokens = no_own = too_long = 0
+    offender = _invalid_offender(obj) if config.invalid_penalty else None
     for seat in (0, 1):
         seat_cfg = seats[seat]
         if not isinstance(seat_cfg, dict):
@@ -305,7 +309,7 @@ def _rows_of_record(obj: dict, config: ConvertConfig) -> tuple[list[_Row], _Line
                     response_ids=ids[first:end],
                     response_mask=np.frombuffer(mask, np.int8)[first:end],
                     rollout_logprobs=logprobs,
-                    reward=float(reward),
+                    reward=-config.invalid_penalty if seat == offender else float(reward),
                     tokenizer_fingerprint=fingerprint,
                     messages=messages,
                     n_prompt_messages=next(
@@ -316,6 +320,17 @@ def _rows_of_record(obj: dict, config: ConvertConfig) -> tuple[list[_Row], _Line
             )
     counts = _LineCounts(str(obj.get("outcome")), no_tokens, no_own, too_long, len(rows))
     return rows, counts
+
+
+def _invalid_offender(obj: dict) -> int | None:
+    """The seat whose consecutive invalid actions ended a game with outcome "invalid"."""
+    if obj.get("outcome") != "invalid":
+        return None
+    actions = obj.get("actions")
+    if not isinstance(actions, list) or not actions or not isinstance(actions[-1], dict):
+        return None
+    seat = actions[-1].get("seat")
+    return seat if seat in (0, 1) else None
 
 
 def _cut(
@@ -374,6 +389,26 @@ def _cut(
     if end > config.max_length:
         return "too_long"
     return ids, first, end, mask, logprobs, messages, fingerprint
+
+
+def rows_table(
+    records: Iterable[GameRecord], config: ConvertConfig
+) -> tuple[pa.Table, dict[str, int]]:
+    """Every trained seat's row of ``records`` in one table (no groups decided, nothing dropped
+    but rows without own tokens or over ``max_length``), cut exactly as ``convert`` cuts them;
+    group ids are the group keys' hashes. For behaviour cloning, where rows need no GRPO group.
+    Returns the table and the counts of rows written, without own tokens and too long."""
+    pairs: list[tuple[_Row, int]] = []
+    counts = {"rows": 0, "no_own": 0, "too_long": 0}
+    for record in records:
+        rows, c = _rows_of_record(orjson.loads(record.model_dump_json()), config)
+        counts["no_own"] += c.no_own
+        counts["too_long"] += c.too_long
+        pairs.extend((row, group_id(row.group_key)) for row in rows)
+    counts["rows"] = len(pairs)
+    if not pairs:
+        return TRAINING_SCHEMA.empty_table(), counts
+    return pa.Table.from_batches([_batch(pairs, config.data_source)]), counts
 
 
 def _list_array(

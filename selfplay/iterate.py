@@ -6,7 +6,13 @@ Layout of a run named RUN:
     data/RUN/metrics.jsonl            one line per finished round (rewritten from the manifest)
     data/RUN/round_K/games.jsonl      generate (resumes game by game)
     data/RUN/round_K/train.parquet    convert (atomic; val.parquet and convert_summary.json beside)
+    data/RUN/round_K/eval/            held-out evaluation of the model round K starts from
+    checkpoints/RUN/warm_start/       the warm start (SFT) before round 0, when asked for
     checkpoints/RUN/round_K/          train: the HF model of round K+1 (and verl's checkpoint)
+
+The heavy stages (warm start, evaluation, generate, train) run in a fresh child process each, so
+the loop's own memory stays flat across rounds and no stage inherits another's torch settings
+(the hf engine sets torch's thread count; the trainer must not run on what it left).
 
 Each stage is recorded in the manifest only after it finished, and the manifest is replaced
 atomically, so a kill at any point resumes at the first unfinished stage: generate keeps its
@@ -15,7 +21,9 @@ finished games, convert and train start over (their outputs are only ever rename
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import platform
 import shutil
@@ -28,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
@@ -67,10 +75,14 @@ class TrainOptions(BaseModel):
     lr: float = Field(1e-6, gt=0.0)
     batch_size: int | None = Field(None, ge=1)
     mini_batch_size: int | None = Field(None, ge=1)
+    # without a mini-batch size, a round's rows are split into this many optimizer updates
+    updates_per_round: int = Field(4, ge=1)
     micro_batch_size: int = Field(4, ge=1)
     loss_agg: str = "token-mean"
     std_norm: bool = True
     kl_coef: float = Field(0.0, ge=0.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    dtype: Literal["fp32", "bf16"] | None = None
     rollout_is: Literal["none", "tis"] = "none"
     gpus: int = Field(0, ge=0)
     ray_address: str | None = None
@@ -102,8 +114,28 @@ class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     max_length: int = Field(4096, ge=2)
     keep_degenerate: bool = False
+    invalid_penalty: float = Field(0.0, ge=0.0)
     # train
     train: TrainOptions = TrainOptions()
+    # warm start before round 0: None, "scripted:NAME:GAMES" (behaviour cloning) or a model dir
+    warm_start: str | None = None
+    warm_start_lr: float = Field(1e-4, gt=0.0)
+    warm_start_epochs: int = Field(1, ge=1)
+    warm_start_mini_batch_size: int = Field(4, ge=1)
+    # held-out evaluation of every round's model (greedy; 0 scenarios: none)
+    eval_scenarios: int = Field(30, ge=0)
+    eval_seed: int = Field(7, ge=0)
+
+    @field_validator("warm_start")
+    @classmethod
+    def _warm_start_form(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("scripted:"):
+            parse_warm_start(v)
+        return v
+
+    @property
+    def warm_start_dir(self) -> Path:
+        return self.checkpoint_root / self.name / "warm_start"
 
     @property
     def run_dir(self) -> Path:
@@ -124,7 +156,17 @@ class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
 RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env")
 # Options added after the first runs, with the value those runs had: a manifest written before
 # them still resumes when they are left at it.
-ADDED_LATER = {"policy_seat": 1, "partner_base_url": None}
+ADDED_LATER = {
+    "policy_seat": 1,
+    "partner_base_url": None,
+    "invalid_penalty": 0.0,
+    "warm_start": None,
+    "warm_start_lr": 1e-4,
+    "warm_start_epochs": 1,
+    "warm_start_mini_batch_size": 4,
+    "eval_scenarios": 0,
+    "eval_seed": 7,
+}
 
 
 def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +192,24 @@ class RoundRecord(BaseModel):
     metrics: dict[str, Any] | None = None
 
 
+class HeldOut(BaseModel):
+    """A model's greedy games on the run's fixed held-out scenarios (never training scenarios)."""
+
+    model: str
+    games: int
+    reward_mean: float | None
+    reward_ci_low: float | None
+    reward_ci_high: float | None
+    agreement_rate: float | None
+    invalid_action_rate: float | None
+    questions_per_game: float | None
+    direct_questions_per_game: float | None
+    general_questions_per_game: float | None
+    mean_actions: float | None
+    outcomes: dict[str, int] = {}
+    seconds: float = 0.0
+
+
 class Manifest(BaseModel):
     manifest_version: Literal[1] = MANIFEST_VERSION
     name: str
@@ -157,6 +217,11 @@ class Manifest(BaseModel):
     created_at: float
     versions: dict[str, str]
     git_commit: str | None
+    warm_start: StageRecord | None = None
+    heldout_initial: HeldOut | None = None  # the initial model, before the warm start
+    # held-out results by the number of GRPO rounds behind the model (0: the starting model)
+    heldout: dict[int, HeldOut] = {}
+    baselines: dict[str, HeldOut] = {}  # scripted pairs on the same held-out scenarios
     rounds: dict[int, RoundRecord] = {}
 
 
@@ -240,12 +305,27 @@ class Run:
         return rec
 
     def write_metrics(self) -> None:
+        """metrics.jsonl: per finished round its games' statistics, its training, and the
+        held-out results of the model it started from (``heldout``) and of the one it produced
+        (``heldout_after``, once evaluated)."""
+        held = self.manifest.heldout
         lines = [
-            orjson.dumps({"round": k, **r.metrics})
+            orjson.dumps(
+                {
+                    "round": k,
+                    **r.metrics,
+                    "heldout": _dump(held.get(k)),
+                    "heldout_after": _dump(held.get(k + 1)),
+                }
+            )
             for k, r in sorted(self.manifest.rounds.items())
             if r.metrics is not None
         ]
         _atomic_write(self.config.run_dir / "metrics.jsonl", b"".join(x + b"\n" for x in lines))
+
+
+def _dump(model: BaseModel | None) -> dict | None:
+    return None if model is None else model.model_dump(mode="json")
 
 
 Generate = Callable[[GenerateConfig, Any], Any]
@@ -255,6 +335,178 @@ def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
     from selfplay.runner import run_generate
 
     run_generate(gen_cfg, engine_cfg)
+
+
+def _child_logging(level: int) -> None:
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _measured(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    import resource
+
+    result = fn(*args)
+    return result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+
+
+def isolated(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` in a fresh (spawned) child process; its result or its exception comes back.
+
+    A stage's memory (models, KV caches, allocator arenas) is returned to the system when the
+    child exits, so a run's memory does not grow round by round, and process-wide settings a
+    stage makes (torch's thread count, the process group) end with it. Returns the result and
+    the child's peak resident memory in MiB.
+    """
+    level = logging.getLogger().getEffectiveLevel()
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_child_logging,
+        initargs=(level,),
+    ) as pool:
+        return pool.submit(_measured, fn, *args).result()
+
+
+def parse_warm_start(spec: str) -> tuple[str, int]:
+    """``scripted:NAME:GAMES`` -> (NAME, GAMES); ValueError naming the accepted forms."""
+    from selfplay.players.scripted import SCRIPTED_NAMES
+
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[1] not in SCRIPTED_NAMES or not parts[2].isdigit():
+        raise ValueError(
+            f"warm start {spec!r} must be scripted:NAME:GAMES (NAME one of "
+            f"{', '.join(SCRIPTED_NAMES)}, e.g. scripted:cooperative:1000) or a model directory"
+        )
+    if int(parts[2]) < 1:
+        raise ValueError(f"warm start {spec!r}: GAMES must be at least 1")
+    return parts[1], int(parts[2])
+
+
+def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
+    """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
+    from selfplay.sft import SFTConfig, sft
+
+    assert cfg.warm_start is not None
+    name, games = parse_warm_start(cfg.warm_start)
+    result = sft(
+        SFTConfig(
+            model=cfg.model,
+            out=cfg.warm_start_dir,
+            teacher=f"scripted:{name}",
+            num_games=games,
+            table_size=cfg.table_size,
+            max_actions=cfg.max_actions,
+            seed=cfg.seed,
+            lr=cfg.warm_start_lr,
+            epochs=cfg.warm_start_epochs,
+            mini_batch_size=cfg.warm_start_mini_batch_size,
+            dtype=cfg.train.dtype,
+            micro_batch_size=cfg.train.micro_batch_size,
+            max_length=cfg.max_length,
+            gpus=cfg.train.gpus,
+            ray_address=cfg.train.ray_address,
+        )
+    )
+    losses = [s.loss for s in result.steps]
+    return {
+        "rows": result.rows,
+        "updates": result.steps[-1].step if result.steps else 0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "tokens_per_s": float(np.mean([s.tokens_per_s for s in result.steps])),
+    }
+
+
+def warm_start(run: Run) -> str:
+    """The model round 0 starts from: the warm-start stage's (run or resumed) or the initial."""
+    cfg = run.config
+    if cfg.warm_start is None:
+        return cfg.model
+    if not cfg.warm_start.startswith("scripted:"):
+        if run.manifest.warm_start is None:
+            run.manifest.warm_start = StageRecord(
+                finished_at=time.time(), seconds=0.0, artifacts={"model": cfg.warm_start}
+            )
+            run.save()
+        return cfg.warm_start
+    if run.manifest.warm_start is None:
+        started = time.time()
+        out = cfg.warm_start_dir
+        if out.exists():  # a warm start killed mid-way: its output never counted
+            log.warning("removing the unfinished warm start %s", out)
+            shutil.rmtree(out)
+        _hold(cfg.run_dir, "warm_start")
+        log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
+        info, rss = isolated(_warm_start_sft, cfg)
+        run.manifest.warm_start = StageRecord(
+            finished_at=time.time(),
+            seconds=time.time() - started,
+            artifacts={"model": str(out)},
+            info={**info, "peak_rss_mb": rss},
+        )
+        run.save()
+    return run.manifest.warm_start.artifacts["model"]
+
+
+def _heldout_eval(
+    cfg: IterateConfig, model: str, out: Path, baselines: bool
+) -> tuple[HeldOut, dict[str, HeldOut]]:
+    """Greedy games of ``model`` on the run's held-out scenarios (in a child), and the scripted
+    baselines on the same scenarios when asked."""
+    from selfplay.evaluate import BASELINES, EvalConfig, ModelSpec, run_eval
+
+    device = cfg.engine.device if isinstance(cfg.engine, HFEngineConfig) else None
+    result = run_eval(
+        EvalConfig(
+            models=(ModelSpec(label="model", model=model),),
+            num_scenarios=cfg.eval_scenarios,
+            seed=cfg.eval_seed,
+            table_size=cfg.table_size,
+            max_actions=cfg.max_actions,
+            max_invalid=cfg.max_invalid,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
+            baselines=BASELINES if baselines else (),
+            device=device,
+            out=out,
+            **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
+        )
+    )
+    fields = set(HeldOut.model_fields) - {"model"}
+
+    def held(row) -> HeldOut:
+        return HeldOut(model=row.model or row.name, **row.model_dump(include=fields))
+
+    row = result.row("model", "model")
+    if row.error:
+        raise IterateError(f"held-out evaluation of {model} failed: {row.error}")
+    return held(row), {r.name: held(r) for r in result.rows if r.kind == "baseline"}
+
+
+def heldout(run: Run, k: int, model: str) -> None:
+    """Evaluate the model that has had ``k`` rounds (once; a model a skipped round carried
+    forward keeps its result) and rewrite metrics.jsonl."""
+    cfg = run.config
+    held = run.manifest.heldout
+    if cfg.eval_scenarios == 0 or k in held:
+        return
+    if k > 0 and (k - 1) in held and held[k - 1].model == model:
+        held[k] = held[k - 1]
+    else:
+        log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
+        out = cfg.run_dir / "eval" / f"after_{k}_rounds"
+        (result, base), _ = isolated(_heldout_eval, cfg, model, out, not run.manifest.baselines)
+        held[k] = result
+        if base:
+            run.manifest.baselines = base
+        log.info(
+            "held-out after %d round(s): reward %.3f [%.3f, %.3f], agreement %.2f",
+            k,
+            result.reward_mean or 0.0,
+            result.reward_ci_low or 0.0,
+            result.reward_ci_high or 0.0,
+            result.agreement_rate or 0.0,
+        )
+    run.save()
+    run.write_metrics()
 
 
 def _reload_attached(engine_cfg: SGLangEngineConfig, model: str) -> None:
@@ -306,8 +558,12 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
         )
         log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
-        generate(gen_cfg, engine_cfg)
-        run.finish(k, "generate", started, artifacts={"games": str(gen_cfg.games_path)})
+        info = {}
+        if generate is _default_generate:
+            _, info["peak_rss_mb"] = isolated(generate, gen_cfg, engine_cfg)
+        else:  # a caller's own function (tests) runs here
+            generate(gen_cfg, engine_cfg)
+        run.finish(k, "generate", started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
 
     if "convert" not in rnd.stages:
         started = time.time()
@@ -319,6 +575,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             val_fraction=cfg.val_fraction,
             max_length=cfg.max_length,
             keep_degenerate=cfg.keep_degenerate,
+            invalid_penalty=cfg.invalid_penalty,
         )
         try:
             summary = convert(conv_cfg)
@@ -335,6 +592,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
                 skip_reason="every kept group has equal rewards (advantage 0)" if flat else None,
                 artifacts={"train": summary.train_path, "val": summary.val_path},
                 info={
+                    "rows_train": summary.rows_train,
                     "rows_written": summary.rows_written,
                     "groups_written": summary.groups_written,
                     "groups_degenerate_dropped": summary.groups_degenerate_dropped,
@@ -352,8 +610,10 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             if out.exists():  # a train killed mid-way: its output never counted
                 log.warning("round %d: removing the unfinished checkpoint %s", k, out)
                 shutil.rmtree(out)
-            from selfplay.train import train
-
+            options = cfg.train.model_dump(exclude={"updates_per_round"})
+            if options["mini_batch_size"] is None and options["batch_size"] is None:
+                rows = rnd.stages["convert"].info.get("rows_train", 0)
+                options["mini_batch_size"] = max(1, rows // cfg.train.updates_per_round)
             tcfg = TrainConfig(
                 data=Path(rnd.stages["convert"].artifacts["train"]),
                 model=model,
@@ -361,16 +621,20 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
                 epochs=cfg.epochs_per_iter,
                 seed=cfg.seed + k,
                 max_length=cfg.max_length,
-                **cfg.train.model_dump(),
+                **options,
             )
             log.info("round %d: training on %s", k, tcfg.data)
-            result = train(tcfg)
+            result, rss = isolated(_train, tcfg)
             run.finish(
                 k,
                 "train",
                 started,
                 artifacts={"model": str(result.model_dir), "metrics": str(result.metrics_path)},
-                info=_train_info(result.steps),
+                info={
+                    **_train_info(result.steps),
+                    "updates": result.updates,
+                    "peak_rss_mb": rss,
+                },
             )
 
     if rnd.metrics is None:
@@ -378,6 +642,12 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
         run.save()
         run.write_metrics()
     return rnd.stages["train"].artifacts.get("model", model)
+
+
+def _train(tcfg: TrainConfig):
+    from selfplay.train import train
+
+    return train(tcfg)
 
 
 def _train_info(steps) -> dict[str, float]:
@@ -418,8 +688,17 @@ def iterate(
 ) -> Run:
     """Run (or resume, or extend) ``config.iterations`` rounds; return the run."""
     run = Run(config, force=force)
-    model = config.model
+    if config.warm_start is not None and config.eval_scenarios and not run.manifest.heldout_initial:
+        out = config.run_dir / "eval" / "initial"
+        (run.manifest.heldout_initial, base), _ = isolated(
+            _heldout_eval, config, config.model, out, not run.manifest.baselines
+        )
+        run.manifest.baselines = run.manifest.baselines or base
+        run.save()
+    model = warm_start(run)
     for k in range(config.iterations):
+        heldout(run, k, model)
         model = run_round(run, k, model, generate)
+    heldout(run, config.iterations, model)
     log.info("run %s: %d round(s) done; latest model %s", config.name, config.iterations, model)
     return run

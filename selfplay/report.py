@@ -70,6 +70,56 @@ def _line_plot(rows, key, title, ylabel, path, *, ci=None, hlines=None) -> Path:
     return path
 
 
+def read_manifest(run_dir: Path) -> dict:
+    path = run_dir / "manifest.json"
+    return orjson.loads(path.read_bytes()) if path.exists() else {}
+
+
+def _heldout_plot(
+    rows, heldout: dict, baselines: dict, path: Path, initial: dict | None = None
+) -> Path:
+    """Held-out reward of the model after k rounds (k = 0: the starting model) with its 95%
+    interval, beside the reward of each round's training games and the scripted baselines on
+    the same held-out scenarios."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+    ks = sorted(int(k) for k in heldout)
+    mean = [heldout[str(k)]["reward_mean"] for k in ks]
+    lo = [heldout[str(k)]["reward_ci_low"] for k in ks]
+    hi = [heldout[str(k)]["reward_ci_high"] for k in ks]
+    if initial is not None:  # the model before the warm start, at x = -1
+        ks_i, mean_i = [-1, *ks], [initial["reward_mean"], *mean]
+        lo_i = [initial["reward_ci_low"], *lo]
+        hi_i = [initial["reward_ci_high"], *hi]
+        ks, mean, lo, hi = ks_i, mean_i, lo_i, hi_i
+    ax.plot(ks, mean, marker="o", color="tab:blue", label="held-out (greedy)")
+    ax.fill_between(ks, lo, hi, color="tab:blue", alpha=0.2, label="held-out 95% CI")
+    ax.plot(
+        [r["round"] for r in rows],
+        [r.get("reward_mean") for r in rows],
+        marker="s",
+        color="tab:gray",
+        alpha=0.7,
+        label="training games (sampled)",
+    )
+    for i, (name, b) in enumerate(sorted(baselines.items())):
+        ax.axhline(
+            b["reward_mean"],
+            linestyle="--",
+            color=f"C{i + 2}",
+            label=f"scripted {name} ({b['reward_mean']:.3f})",
+        )
+    xlabel = "GRPO rounds behind the model" + (" (-1: before the warm start)" if initial else "")
+    ax.set(xlabel=xlabel, ylabel="normalised reward")
+    ax.set_title("Held-out reward per round")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _questions_plot(rows, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
     rounds = [r["round"] for r in rows]
@@ -87,6 +137,56 @@ def _questions_plot(rows, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _heldout_table(manifest: dict) -> list[str]:
+    cfg = manifest.get("config", {})
+    held = manifest["heldout"]
+    warm = manifest.get("warm_start")
+    md = [
+        "## Held-out evaluation",
+        "",
+        f"Greedy games on {cfg.get('eval_scenarios')} fixed held-out {cfg.get('table_size')}x"
+        f"{cfg.get('table_size')} scenarios (eval seed {cfg.get('eval_seed')}; never training "
+        "scenarios), the same every round.",
+        "",
+    ]
+    if warm:
+        info = warm.get("info") or {}
+        extra = (
+            f" ({info.get('rows')} rows, {info.get('updates')} updates, loss "
+            f"{info.get('loss_first', 0):.3f} -> {info.get('loss_last', 0):.3f})"
+            if info
+            else ""
+        )
+        md += [
+            f"Warm start: `{cfg.get('warm_start')}` in {warm['seconds']:.0f} s{extra}.",
+            "",
+        ]
+    md += [
+        "| model | reward [95% CI] | agreement | invalid rate | questions (direct) | actions |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def f(x, fmt=".3f"):
+        return "" if x is None else format(x, fmt)
+
+    def line(name: str, h: dict) -> str:
+        return (
+            f"| {name} | {f(h['reward_mean'])} [{f(h['reward_ci_low'])}, "
+            f"{f(h['reward_ci_high'])}] | {f(h['agreement_rate'])} "
+            f"| {f(h['invalid_action_rate'])} | {f(h['questions_per_game'], '.2f')} "
+            f"({f(h['direct_questions_per_game'], '.2f')}) | {f(h['mean_actions'], '.1f')} |"
+        )
+
+    if manifest.get("heldout_initial"):
+        md.append(line("initial model (before the warm start)", manifest["heldout_initial"]))
+    for k in sorted(held, key=int):
+        start = "warm-started model" if warm else "start"
+        md.append(line(start if int(k) == 0 else f"after round {int(k) - 1}", held[k]))
+    for name, b in sorted((manifest.get("baselines") or {}).items()):
+        md.append(line(f"scripted {name}", b))
+    return [*md, ""]
 
 
 def _reward_vs_questions(run_dir: Path, rows, path: Path) -> Path | None:
@@ -116,10 +216,17 @@ def _reward_vs_questions(run_dir: Path, rows, path: Path) -> Path | None:
     return path
 
 
-def write_report(run_dir: str | Path, *, n: int = 8, baselines: dict | None = None) -> Path:
-    """Write PNG plots and REPORT.md into ``run_dir``; return the REPORT.md path."""
+def write_report(
+    run_dir: str | Path, *, n: int | None = None, baselines: dict | None = None
+) -> Path:
+    """Write PNG plots and REPORT.md into ``run_dir``; return the REPORT.md path.
+
+    The table size (for the scripted baselines) is the run's own, from its manifest, unless
+    ``n`` is given."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
+    manifest = read_manifest(run_dir)
+    n = n or manifest.get("config", {}).get("table_size", 8)
     if baselines is None:
         baselines = baseline_rewards(n)
     lines = {**{f"scripted {k}": v for k, v in baselines.items()}, "human": HUMAN_REFERENCE}
@@ -151,7 +258,22 @@ def write_report(run_dir: str | Path, *, n: int = 8, baselines: dict | None = No
     scatter = _reward_vs_questions(run_dir, rows, run_dir / "reward_vs_questions.png")
     if scatter is not None:
         plots["reward vs questions"] = scatter
+    heldout = manifest.get("heldout") or {}
     md = [f"# Run report: {run_dir.name}", ""]
+    if heldout:
+        plots = {
+            "held-out reward": _heldout_plot(
+                rows,
+                heldout,
+                manifest.get("baselines") or {},
+                run_dir / "heldout.png",
+                manifest.get("heldout_initial"),
+            ),
+            **plots,
+        }
+        md += _heldout_table(manifest)
+    md.append("## Training games per round")
+    md.append("")
     md.append(
         "| round | games | reward [95% CI] | agreement | actions | words | invalid | questions "
         "(direct) | q-reward r | pg_loss | kl | clip frac | train tok/s | update |"

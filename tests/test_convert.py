@@ -748,3 +748,18 @@ def test_cli_convert(tmp_path):
     )
     assert result.exit_code == 1
     assert "no usable game records" in " ".join(result.output.split())  # rich wraps lines
+
+
+def test_invalid_penalty_goes_to_the_seat_that_ended_the_game(tmp_path):
+    bad = [ActionRecord(seat=1, text="hm", kind="invalid", valid=False, error="tag")] * 3
+    ended = game("a1", "A", 0.0, actions=bad).model_copy(update={"outcome": Outcome.INVALID})
+    records = [ended, game("a2", "A", 0.6)]
+    _, train, _ = run(tmp_path, records)
+    assert sorted((r["game_id"], r["seat"], r["reward"]) for r in train)[:2] == [
+        ("a1", 0, 0.0),
+        ("a1", 1, 0.0),
+    ]
+    _, train, _ = run(tmp_path, records, invalid_penalty=0.5)
+    rewards = {(r["game_id"], r["seat"]): r["reward"] for r in train}
+    want = {("a1", 0): 0.0, ("a1", 1): -0.5, ("a2", 0): 0.6, ("a2", 1): 0.6}
+    assert rewards == pytest.approx(want)

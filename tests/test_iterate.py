@@ -46,6 +46,7 @@ def _cmd(root: Path, model: Path, name: str) -> list[str]:
         # one game at a time: every request is decoded alone, so sampling does not depend on
         # which games share a padded batch (that moves logits ~1e-6 and can flip a rare token)
         "--concurrency", "1",
+        "--eval-scenarios", "3",
         "--no-report",
     ]  # fmt: skip
 
@@ -153,6 +154,48 @@ def test_two_rounds_round2_uses_round1_checkpoint(reference_run, primed_model):
         assert m["games"] == 16 and 0.0 <= m["reward_mean"] <= 1.0
         assert set(m["seconds"]) == {"generate", "convert", "train"}
         assert m["train"]["steps"] >= 1 and m["train"]["tokens_per_s"] > 0
+        # several optimizer updates by default (rows / --updates-per-round), not one per round
+        assert m["train"]["updates"] >= 2
+        assert m["heldout"]["games"] == 3 and m["heldout_after"]["games"] == 3
+        assert m["heldout"]["reward_ci_low"] <= m["heldout"]["reward_mean"]
+    assert metrics[1]["heldout"] == metrics[0]["heldout_after"]
+
+
+def test_heldout_scenarios_are_the_same_every_round_and_never_trained_on(reference_run):
+    run = reference_run / "data" / "ref"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert sorted(manifest["heldout"], key=int) == ["0", "1", "2"]
+    evals = sorted((run / "eval").glob("after_*_rounds/games/model-model.jsonl"))
+    assert len(evals) == 3
+    seen = [{g.scenario_id for g in iter_game_records(path)} for path in evals]
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 3
+    trained = {
+        g.scenario_id
+        for k in range(ROUNDS)
+        for g in iter_game_records(run / f"round_{k}" / "games.jsonl")
+    }
+    assert not seen[0] & trained
+    assert all(int(g.scenario.seed) % 2 == 1 for g in iter_game_records(evals[0]))
+    assert set(manifest["baselines"]) == {"cooperative", "no-talk", "random"}
+
+
+def test_training_runs_in_a_fresh_process_with_all_threads(reference_run):
+    """The train stage runs in its own process: the hf engine's thread setting cannot reach it,
+    and each stage's memory ends with its process (the loop's own stays flat)."""
+    import torch
+
+    from selfplay.iterate import isolated
+
+    def_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what the hf engine did to the whole iterate process
+    try:
+        threads, rss = isolated(torch.get_num_threads)
+    finally:
+        torch.set_num_threads(def_threads)
+    assert threads == def_threads and rss > 0
+    manifest = json.loads((reference_run / "data" / "ref" / "manifest.json").read_text())
+    peaks = [r["stages"]["train"]["info"]["peak_rss_mb"] for r in manifest["rounds"].values()]
+    assert all(p > 0 for p in peaks) and max(peaks) <= 1.1 * min(peaks)
 
 
 def test_kill_anywhere_then_resume_matches_uninterrupted(reference_run, primed_model, tmp_path):
@@ -180,6 +223,29 @@ def test_kill_anywhere_then_resume_matches_uninterrupted(reference_run, primed_m
     assert got_lp.keys() == want_lp.keys()
     for game_id, lp in want_lp.items():
         np.testing.assert_allclose(got_lp[game_id], lp, atol=1e-4)
+
+
+def test_warm_start_resumes_after_sigkill(primed_model, tmp_path):
+    cmd = _cmd(tmp_path, primed_model, "warm")
+    cmd[cmd.index("--iterations") + 1] = "1"
+    cmd += ["--warm-start", "scripted:no-talk:6", "--warm-start-lr", "1e-3"]
+    ws = tmp_path / "checkpoints" / "warm" / "warm_start"
+    proc = _start(cmd)
+    _kill_when(proc, lambda: (ws / "sft_data" / "rows.parquet").exists())
+    assert not (ws / "config.json").exists()  # killed inside the stage
+    _run(cmd)
+    manifest = json.loads((tmp_path / "data" / "warm" / "manifest.json").read_text())
+    assert manifest["warm_start"]["artifacts"]["model"] == str(ws)
+    assert (
+        manifest["warm_start"]["info"]["rows"] == 12
+        and manifest["warm_start"]["info"]["updates"] == 3
+    )
+    assert manifest["rounds"]["0"]["model"] == str(ws)
+    assert manifest["heldout_initial"]["games"] == 3
+    assert (ws / "config.json").exists()
+    before = load_file(primed_model / "model.safetensors")
+    after = load_file(ws / "model.safetensors")
+    assert any(not (before[k] == after[k]).all() for k in before)
 
 
 def test_changed_config_is_a_clear_error_and_more_iterations_extend(reference_run, primed_model):

@@ -463,6 +463,7 @@ def _iter_cfg(root: Path, **kw) -> IterateConfig:
         partner_base_url="http://127.0.0.1:9/v1",
         partner_key_env=KEY_ENV,
         partner_max_calls=5,
+        eval_scenarios=0,
     )
     return IterateConfig(**(defaults | kw))
 

@@ -212,6 +212,61 @@ def derive_seed(*words: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
+class SeatLog:
+    """One seat's append-only token list, as its model saw and produced it.
+
+    ``prompt_delta`` gives the template tokens of the next observation (the first prompt, or the
+    owed end of the last answer plus the next user turn); ``add_prompt`` appends them (mask 0) and
+    ``add_own`` appends the seat's own tokens (mask 1, with their log-probs). The LLM player and
+    the teacher player (behaviour cloning) keep their seats' tokens through it, so a cloned seat is
+    recorded exactly as a generating seat would be.
+    """
+
+    def __init__(self, chat: ChatFormat) -> None:
+        self.chat = chat
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.messages: list[dict[str, str]] = []
+        self._owed: str | None = None  # template text owed after our last answer
+
+    def prompt_delta(self, observation: str) -> list[int]:
+        text = (
+            self.chat.first_prompt(observation)
+            if self._owed is None
+            else self._owed + self.chat.user_turn(observation)
+        )
+        return self.chat.encode(text)
+
+    def add_prompt(self, delta: list[int], observation: str) -> None:
+        self.ids.extend(delta)
+        self.mask.extend([0] * len(delta))
+        self.logprobs.extend([0.0] * len(delta))
+        self.messages.append(_user(observation))
+
+    def add_own(self, ids: list[int], logprobs: list[float], *, stopped: bool) -> str:
+        """Append a turn's own ids (ending with a stop token when ``stopped``); return its text."""
+        body = ids[:-1] if stopped else ids
+        action = self.chat.decode(body)
+        self._owed = self.chat.owed_after(ids[-1] if stopped else None)
+        self.ids.extend(ids)
+        self.mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)  # floats, as the Generation contract says
+        self.messages.append(_assistant(action))
+        return action
+
+    def tokens(self) -> SeatTokens:
+        # aligned by construction (every extend above adds to all three lists): skip the O(n)
+        # validation here; records are validated when they are read back
+        return SeatTokens.model_construct(
+            token_ids=list(self.ids),
+            mask=list(self.mask),
+            logprobs=list(self.logprobs),
+            messages=list(self.messages),
+            tokenizer_fingerprint=self.chat.fingerprint,
+        )
+
+
 class LLMPlayer:
     """A seat played by a language model through a token engine."""
 
@@ -232,37 +287,26 @@ class LLMPlayer:
         self.config = SeatConfig(
             kind="llm", name=name or engine.name, trained=trained, sampling=self.sampling
         )
-        self._ids: list[int] = []
-        self._mask: list[int] = []
-        self._logprobs: list[float] = []
-        self._messages: list[dict[str, str]] = []
-        self._owed: str | None = None  # template text owed after our last answer
+        self.log = SeatLog(chat)
         self._turn = 0
         self.generated = 0
 
     async def act(self, observation: str) -> str:
-        text = (
-            self.chat.first_prompt(observation)
-            if self._owed is None
-            else self._owed + self.chat.user_turn(observation)
-        )
-        delta = self.chat.encode(text)
+        delta = self.log.prompt_delta(observation)
         max_new = self.sampling.max_new_tokens
         limit = self.engine.max_context
         if limit is not None:
-            max_new = min(max_new, limit - len(self._ids) - len(delta))
+            used = len(self.log.ids)
+            max_new = min(max_new, limit - used - len(delta))
             if max_new < 1:  # checked before appending: the list stays what the model saw
                 raise ContextFull(
-                    f"the conversation ({len(self._ids) + len(delta)} tokens with the new turn) "
+                    f"the conversation ({used + len(delta)} tokens with the new turn) "
                     f"fills the model's context ({limit} tokens)"
                 )
-        self._ids.extend(delta)
-        self._mask.extend([0] * len(delta))
-        self._logprobs.extend([0.0] * len(delta))
-        self._messages.append(_user(observation))
+        self.log.add_prompt(delta, observation)
         gen = await self.engine.generate(
             GenerationRequest(
-                prompt_ids=self._ids,
+                prompt_ids=self.log.ids,
                 max_new_tokens=max_new,
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,
@@ -279,23 +323,8 @@ class LLMPlayer:
                 f"the engine returned {len(ids)} tokens but {len(gen.logprobs)} log-probs"
             )
         stopped = bool(ids) and gen.finish_reason == "stop" and ids[-1] in self.chat.stop_token_ids
-        body = ids[:-1] if stopped else ids
-        action = self.chat.decode(body)
-        self._owed = self.chat.owed_after(ids[-1] if stopped else None)
-        self._ids.extend(ids)
-        self._mask.extend([1] * len(ids))
-        self._logprobs.extend(gen.logprobs)  # floats, as the Generation contract says
-        self._messages.append(_assistant(action))
         self.generated += len(ids)
-        return action
+        return self.log.add_own(ids, gen.logprobs, stopped=stopped)
 
     def tokens(self) -> SeatTokens:
-        # aligned by construction (every extend above adds to all three lists): skip the O(n)
-        # validation here; records are validated when they are read back
-        return SeatTokens.model_construct(
-            token_ids=list(self._ids),
-            mask=list(self._mask),
-            logprobs=list(self._logprobs),
-            messages=list(self._messages),
-            tokenizer_fingerprint=self.chat.fingerprint,
-        )
+        return self.log.tokens()

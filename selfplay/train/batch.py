@@ -126,8 +126,9 @@ class Rows:
         )
 
 
-def rows_from_table(table: pa.Table, max_length: int | None = None) -> Rows:
-    """Convert and check rows: aligned lengths, 0/1 masks, own tokens present, no singletons."""
+def rows_from_table(table: pa.Table, max_length: int | None = None, *, groups: bool = True) -> Rows:
+    """Convert and check rows: aligned lengths, 0/1 masks, own tokens present, and (``groups``)
+    no single-row GRPO group."""
     rows = Rows(
         group_ids=np.asarray(table.column("group_id").to_pylist(), dtype=np.int64),
         prompts=table.column("prompt_ids").to_pylist(),
@@ -161,7 +162,7 @@ def rows_from_table(table: pa.Table, max_length: int | None = None) -> Rows:
                 "raise --max-length or generate shorter games"
             )
     _, counts = np.unique(rows.group_ids, return_counts=True)
-    if (counts == 1).any():
+    if groups and (counts == 1).any():
         singles = np.unique(rows.group_ids)[counts == 1][:5].tolist()
         raise TrainDataError(
             f"{int((counts == 1).sum())} GRPO groups have a single row (e.g. group ids {singles}); "

@@ -67,8 +67,9 @@ class TrainResult:
     model_dir: Path
     checkpoint_dir: Path | None
     metrics_path: Path
-    steps: list[StepMetrics] = field(default_factory=list)
+    steps: list = field(default_factory=list)  # StepMetrics (train) or SFTStepMetrics (sft)
     rows: int = 0
+    updates: int = 0  # optimizer updates (one per mini-batch)
 
 
 @dataclass(frozen=True)
@@ -95,28 +96,8 @@ def _load_tokenizer(model: str):
         ) from e
 
 
-def plan(cfg: TrainConfig) -> Plan:
-    """Read and check the rows and sizes; raise ``TrainDataError`` with what to do."""
-    from selfplay.models import tokenizer_fingerprint
-
-    table = read_rows(cfg.data)
-    tokenizer = _load_tokenizer(cfg.model)
-    check_tokenizer(table, tokenizer_fingerprint(tokenizer), cfg.model)
-    rows = rows_from_table(table, max_length=cfg.max_length)
-    if cfg.rollout_is == "tis" and not any(
-        any(lp != 0.0 for lp in row) for row in rows.rollout_logprobs
-    ):
-        raise TrainDataError(
-            "--rollout-is tis needs the generator's log-probs, but every rollout_logprobs value "
-            "is 0; generate with an engine that returns log-probs, or use --rollout-is none"
-        )
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id
-    if pad_id is None:
-        raise TrainDataError(f"the tokenizer of {cfg.model} has neither a pad nor an EOS token")
-
-    n = len(rows)
+def batch_sizes(n: int, cfg: TrainConfig) -> tuple[int, int, int]:
+    """(rows per step, rows per optimizer update, steps per epoch) for ``n`` rows."""
     mini = cfg.mini_batch_size or cfg.batch_size or n
     if n < mini:
         raise TrainDataError(
@@ -143,15 +124,11 @@ def plan(cfg: TrainConfig) -> Plan:
             mini,
             dropped,
         )
-    advantages = row_advantages(rows, std_norm=cfg.std_norm)
-    flat = int((advantages == 0).sum())
-    if flat == n:
-        raise TrainDataError(
-            "every GRPO group has equal rewards, so every advantage is 0 and training would "
-            "change nothing; groups must span games of one scenario with different outcomes"
-        )
-    if flat:
-        log.info("%d of %d rows have advantage 0 (their group's rewards are all equal)", flat, n)
+    return batch, mini, steps
+
+
+def micro_batch(mini: int, cfg: TrainConfig) -> int:
+    """The largest micro-batch up to ``cfg.micro_batch_size`` that divides a device's share."""
     per_device = mini // cfg.world_size
     micro = max(
         d for d in range(1, min(cfg.micro_batch_size, per_device) + 1) if per_device % d == 0
@@ -163,17 +140,54 @@ def plan(cfg: TrainConfig) -> Plan:
             micro,
             per_device,
         )
+    return micro
+
+
+def load_rows(cfg: TrainConfig, *, groups: bool = True) -> tuple[Rows, int]:
+    """The checked rows of ``cfg.data`` (made with ``cfg.model``'s tokenizer) and the pad id;
+    ``groups=False`` for behaviour cloning, whose rows need no GRPO group."""
+    from selfplay.models import tokenizer_fingerprint
+
+    table = read_rows(cfg.data)
+    tokenizer = _load_tokenizer(cfg.model)
+    check_tokenizer(table, tokenizer_fingerprint(tokenizer), cfg.model)
+    rows = rows_from_table(table, max_length=cfg.max_length, groups=groups)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    if pad_id is None:
+        raise TrainDataError(f"the tokenizer of {cfg.model} has neither a pad nor an EOS token")
+    return rows, pad_id
+
+
+def plan(cfg: TrainConfig) -> Plan:
+    """Read and check the rows and sizes; raise ``TrainDataError`` with what to do."""
+    rows, pad_id = load_rows(cfg)
+    n = len(rows)
+    if cfg.rollout_is == "tis" and not any(
+        any(lp != 0.0 for lp in row) for row in rows.rollout_logprobs
+    ):
+        raise TrainDataError(
+            "--rollout-is tis needs the generator's log-probs, but every rollout_logprobs value "
+            "is 0; generate with an engine that returns log-probs, or use --rollout-is none"
+        )
+    batch, mini, steps = batch_sizes(n, cfg)
+    advantages = row_advantages(rows, std_norm=cfg.std_norm)
+    flat = int((advantages == 0).sum())
+    if flat == n:
+        raise TrainDataError(
+            "every GRPO group has equal rewards, so every advantage is 0 and training would "
+            "change nothing; groups must span games of one scenario with different outcomes"
+        )
+    if flat:
+        log.info("%d of %d rows have advantage 0 (their group's rewards are all equal)", flat, n)
+    micro = micro_batch(mini, cfg)
     return Plan(rows, advantages, pad_id, batch, mini, steps, micro)
 
 
 def _epoch_batches(p: Plan, epoch: int, seed: int) -> list[np.ndarray]:
-    order = np.random.default_rng([seed, epoch]).permutation(len(p.rows))
-    batches, start = [], 0
-    for _ in range(p.steps_per_epoch):
-        size = min(p.batch_size, ((len(order) - start) // p.mini_batch_size) * p.mini_batch_size)
-        batches.append(np.sort(order[start : start + size]))
-        start += size
-    return batches
+    chunks = _chunks(len(p.rows), p.batch_size, p.mini_batch_size, p.steps_per_epoch, epoch, seed)
+    return [np.sort(c) for c in chunks]
 
 
 def step_batch(p: Plan, idx: np.ndarray) -> dict[str, torch.Tensor]:
@@ -276,6 +290,7 @@ def train(
                     train_batch, p.mini_batch_size, cfg.seed + step, entropy=cfg.entropy_coef > 0
                 )
                 t2 = time.perf_counter()
+                result.updates += len(idx) // p.mini_batch_size
                 tokens = int(batch["attention_mask"].sum())
                 sm = StepMetrics(
                     step=step,
@@ -307,27 +322,139 @@ def train(
                 )
                 if on_step is not None:
                     on_step(sm, total)
-        ckpt = cfg.out / CHECKPOINT_DIRNAME / f"global_step_{step}"
-        workers.save(str(ckpt), step)
+        _save(workers, cfg, step, result)
     finally:
         workers.close()
+    _export(cfg, result, [asdict(s) for s in result.steps])
+    return result
 
+
+def _save(workers, cfg: TrainConfig, step: int, result: TrainResult) -> None:
+    ckpt = cfg.out / CHECKPOINT_DIRNAME / f"global_step_{step}"
+    workers.save(str(ckpt), step)
+    result.checkpoint_dir = ckpt
+
+
+def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -> None:
+    """The HF directory from the saved checkpoint, verl's checkpoint kept or removed, and
+    metrics.json (config, rows, one entry per step)."""
     from selfplay.train.export import export_hf_dir
 
-    export_hf_dir(ckpt / "huggingface", cfg.out, tokenizer_source=cfg.model)
-    if cfg.save_verl_checkpoint:
-        result.checkpoint_dir = ckpt
-    else:
+    assert result.checkpoint_dir is not None
+    export_hf_dir(result.checkpoint_dir / "huggingface", cfg.out, tokenizer_source=cfg.model)
+    if not cfg.save_verl_checkpoint:
         shutil.rmtree(cfg.out / CHECKPOINT_DIRNAME, ignore_errors=True)
+        result.checkpoint_dir = None
     result.metrics_path.write_text(
         json.dumps(
-            {
-                "config": cfg.model_dump(mode="json"),
-                "rows": len(p.rows),
-                "steps": [asdict(s) for s in result.steps],
-            },
+            {"config": cfg.model_dump(mode="json"), "rows": result.rows, **extra, "steps": steps},
             indent=2,
         )
         + "\n"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Behaviour cloning (selfplay sft): the same workers with verl's SFT loss
+
+
+@dataclass
+class SFTStepMetrics:
+    """One call of SFT updates (one or more optimizer updates, one per mini-batch)."""
+
+    step: int  # optimizer updates so far
+    epoch: int
+    rows: int
+    tokens: int  # all tokens of the rows (prompt and response)
+    trained_tokens: int  # mask-1 tokens, the ones the loss is on
+    loss: float  # mean negative log-likelihood per trained token, over the mini-batches
+    grad_norm: float
+    lr: float
+    time_s: float
+    tokens_per_s: float
+
+
+def train_sft(
+    cfg: TrainConfig,
+    on_step: Callable[[SFTStepMetrics, int], None] | None = None,
+) -> TrainResult:
+    """Supervised fine-tuning on the mask-1 tokens of ``cfg.data`` (rows need no groups), through
+    the same verl workers as ``train`` with verl's SFT loss. ``batch_size`` rows go to the workers
+    at a time and each ``mini_batch_size`` of them is one optimizer update."""
+    _check_out(cfg)
+    rows, pad_id = load_rows(cfg, groups=False)
+    batch, mini, steps_per_epoch = batch_sizes(len(rows), cfg)
+    cfg = cfg.model_copy(update={"micro_batch_size": micro_batch(mini, cfg)})
+    updates_per_epoch = sum(
+        len(idx) // mini for idx in _chunks(len(rows), batch, mini, steps_per_epoch, 0, cfg.seed)
+    )
+    total = updates_per_epoch * cfg.epochs
+    log.info(
+        "SFT on %d rows: %d update(s) per epoch x %d epoch(s), mini-batch %d, micro %d",
+        len(rows),
+        updates_per_epoch,
+        cfg.epochs,
+        mini,
+        cfg.micro_batch_size,
+    )
+    torch.manual_seed(cfg.seed)
+    from selfplay.train.workers import open_workers, sft_inputs
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    workers = open_workers(cfg, total)
+    result = TrainResult(
+        model_dir=cfg.out, checkpoint_dir=None, metrics_path=cfg.out / METRICS_FILENAME
+    )
+    result.rows = len(rows)
+    history: list[SFTStepMetrics] = result.steps
+    try:
+        workers.use_sft_loss()
+        step = 0
+        for epoch in range(cfg.epochs):
+            for idx in _chunks(len(rows), batch, mini, steps_per_epoch, epoch, cfg.seed):
+                t0 = time.perf_counter()
+                padded = collate(rows.select(idx), pad_id)
+                metrics = workers.update(sft_inputs(padded), mini, cfg.seed + step)
+                elapsed = time.perf_counter() - t0
+                step += len(idx) // mini
+                result.updates = step
+                tokens = int(padded["attention_mask"].sum())
+                sm = SFTStepMetrics(
+                    step=step,
+                    epoch=epoch,
+                    rows=len(idx),
+                    tokens=tokens,
+                    trained_tokens=int(padded["response_mask"].sum()),
+                    loss=_mean(metrics, "loss") or 0.0,
+                    grad_norm=_mean(metrics, "grad_norm") or 0.0,
+                    lr=_mean(metrics, "lr") or cfg.lr,
+                    time_s=elapsed,
+                    tokens_per_s=tokens / max(elapsed, 1e-9),
+                )
+                history.append(sm)
+                log.info(
+                    "SFT update %d/%d: loss %.4f, grad_norm %.3f, %.0f tokens/s",
+                    step,
+                    total,
+                    sm.loss,
+                    sm.grad_norm,
+                    sm.tokens_per_s,
+                )
+                if on_step is not None:
+                    on_step(sm, total)
+        _save(workers, cfg, step, result)
+    finally:
+        workers.close()
+    _export(cfg, result, [asdict(s) for s in history], algorithm="sft")
     return result
+
+
+def _chunks(n: int, batch: int, mini: int, steps: int, epoch: int, seed: int) -> list[np.ndarray]:
+    """An epoch's row indices in ``steps`` chunks of whole mini-batches (shuffled per epoch)."""
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    out, start = [], 0
+    for _ in range(steps):
+        size = min(batch, ((n - start) // mini) * mini)
+        out.append(order[start : start + size])
+        start += size
+    return out

@@ -36,6 +36,7 @@ class Workers(Protocol):
     def update(
         self, batch: dict[str, torch.Tensor], mini_batch_size: int, seed: int, entropy: bool = False
     ) -> dict: ...
+    def use_sft_loss(self) -> None: ...
     def save(self, path: str, step: int) -> None: ...
     def close(self) -> None: ...
 
@@ -114,6 +115,7 @@ class _Calls:
 
     actor: Any
     ref: Any
+    config: Any  # verl's actor_rollout_ref config the workers were built from
 
     def log_probs(self, batch: dict[str, torch.Tensor], entropy: bool = False) -> dict:
         td = to_tensordict(_model_inputs(batch), **_meta(calculate_entropy=entropy))
@@ -138,9 +140,7 @@ class _Calls:
         """The PPO loss of ``batch`` under the current weights, forward only (no update)."""
         from verl.utils import tensordict_utils as tu
 
-        td = to_tensordict(
-            batch, **_meta(compute_loss=True, global_batch_size=len(batch["prompts"]))
-        )
+        td = _tensordict(batch, **_meta(compute_loss=True, global_batch_size=len(batch["prompts"])))
         out = self.actor.compute_log_prob(td)
         return float(tu.get(out, "metrics")["loss"])
 
@@ -151,11 +151,11 @@ class _Calls:
         seed: int,
         entropy: bool = False,
     ) -> dict:
-        """One verl update on ``batch``; ``entropy`` only when an entropy bonus is in the loss
-        (the trainer reports entropy from the no-grad old-log-prob pass instead)."""
+        """verl updates on ``batch``, one per mini-batch; ``entropy`` only when an entropy bonus is
+        in the loss (the trainer reports entropy from the no-grad old-log-prob pass instead)."""
         from verl.utils import tensordict_utils as tu
 
-        td = to_tensordict(
+        td = _tensordict(
             batch,
             calculate_entropy=entropy,
             compute_loss=True,
@@ -167,6 +167,16 @@ class _Calls:
         )
         out = self.actor.update_actor(td)
         return tu.get(out, "metrics")
+
+    def use_sft_loss(self) -> None:
+        """Train with verl's own SFT loss (mean negative log-likelihood of the mask-1 tokens)
+        instead of the PPO loss; ``update`` and ``loss`` then take ``sft_inputs`` batches."""
+        from functools import partial
+
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.utils.losses import sft_loss
+
+        self.actor.set_loss_fn(partial(sft_loss, config=omega_conf_to_dataclass(self.config.actor)))
 
     def save(self, path: str, step: int) -> None:
         self.actor.save_checkpoint(local_path=path, global_step=step)
@@ -192,6 +202,29 @@ _UPDATE_KEYS = (
     "rollout_is_weights",  # only with --rollout-is tis
     "ref_log_prob",  # only with a KL loss
 )
+
+
+def sft_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of an SFT update: the model inputs and ``sft_loss_mask`` [B, P+R], the
+    response mask placed over the whole sequence (0 on the prompt), as verl's SFT loss wants it."""
+    inputs = _model_inputs(batch)
+    prompt = torch.zeros_like(batch["prompts"])
+    inputs["sft_loss_mask"] = torch.cat([prompt, batch["response_mask"]], dim=1)
+    return inputs
+
+
+def _tensordict(batch: dict[str, torch.Tensor], **non_tensors):
+    """``to_tensordict``, with an SFT batch's full-sequence mask as verl's nested ``loss_mask``
+    (aligned with the nested ``input_ids``: the same tokens, prompt then response)."""
+    full = batch.get("sft_loss_mask")
+    if full is None:
+        return to_tensordict(batch, **non_tensors)
+    td = to_tensordict({k: v for k, v in batch.items() if k != "sft_loss_mask"}, **non_tensors)
+    values = full[batch["attention_mask"].bool()]
+    td["loss_mask"] = torch.nested.nested_tensor_from_jagged(
+        values, offsets=td["input_ids"].offsets()
+    )
+    return td
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -280,6 +313,7 @@ class LocalWorkers(_Calls):
         from verl.workers.engine_workers import ActorRolloutRefWorker
 
         config = worker_config(cfg, total_steps)
+        self.config = config
         self.ref = None
         with _restored_environ():
             _init_single_process_group(cfg.device)
@@ -335,6 +369,7 @@ class RayWorkers(_Calls):
         per_node = max(1, cfg.gpus)
         pool = RayResourcePool([per_node] * cfg.nodes, use_gpu=not cpu, max_colocate_count=1)
         config = worker_config(cfg, total_steps)
+        self.config = config
         remote = ray.remote(ActorRolloutRefWorker)
         device_name = "cpu" if cpu else "cuda"
         if cfg.kl_coef > 0:

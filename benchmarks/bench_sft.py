@@ -1,0 +1,111 @@
+"""SFT throughput: `selfplay sft`'s verl update against a plain torch loop on the same rows.
+
+Builds behaviour-cloning rows of scripted cooperative 3x3 games for the embedded SmolLM2-135M
+(the rows `selfplay sft --teacher scripted:cooperative` trains on), then times, on the same rows:
+
+- verl: `train.trainer.train_sft` (verl's SFT loss on the in-process FSDP2 worker), fp32 and bf16;
+- torch: a plain loop (AdamW, the same mini- and micro-batches, loss on mask-1 tokens only),
+  fp32 and bf16 autocast.
+
+Prints tokens/s (all tokens of the rows, prompt and response) per variant. Run it alone on a quiet
+machine: `python benchmarks/bench_sft.py [--rows 32]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def torch_loop(model_dir: str, rows, pad_id: int, mini: int, micro: int, bf16: bool) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.train.batch import collate
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    tokens = 0
+    start = time.perf_counter()
+    for m0 in range(0, len(rows) - mini + 1, mini):
+        opt.zero_grad()
+        trained = sum(sum(rows.masks[i]) for i in range(m0, m0 + mini))
+        for u0 in range(m0, m0 + mini, micro):
+            b = collate(rows.select(range(u0, u0 + micro)), pad_id)
+            p = b["prompts"].shape[1]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(
+                    input_ids=b["input_ids"],
+                    attention_mask=b["attention_mask"],
+                    position_ids=b["position_ids"],
+                )
+            logits = out.logits[:, p - 1 : -1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None])[..., 0]
+            loss = -(lp * b["response_mask"]).sum() / trained
+            loss.backward()
+            tokens += int(b["attention_mask"].sum())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--mini", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--only", default="verl-fp32,verl-bf16,torch-fp32,torch-bf16")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    from selfplay.models import resolve_model
+    from selfplay.players.llm import load_chat_format
+    from selfplay.sft import SFTConfig, build_rows
+    from selfplay.train.config import TrainConfig
+    from selfplay.train.trainer import load_rows, train_sft
+
+    model = resolve_model(None)
+    work = Path(tempfile.mkdtemp(prefix="bench_sft_"))
+    cfg = SFTConfig(
+        model=model, out=work / "rows", teacher="scripted:cooperative", num_games=args.rows // 2
+    )
+    rows_path, _ = build_rows(cfg, load_chat_format(model))
+    results = {}
+    for variant in args.only.split(","):
+        engine, dtype = variant.split("-")
+        tcfg = TrainConfig(
+            data=rows_path,
+            model=model,
+            out=work / variant,
+            mini_batch_size=args.mini,
+            batch_size=args.rows,
+            micro_batch_size=args.micro,
+            dtype=dtype,
+            lr=1e-4,
+            save_verl_checkpoint=False,
+        )
+        if engine == "verl":
+            res = train_sft(tcfg)
+            results[variant] = sum(s.tokens for s in res.steps) / sum(s.time_s for s in res.steps)
+        else:
+            rows, pad_id = load_rows(tcfg, groups=False)
+            results[variant] = torch_loop(
+                model, rows, pad_id, args.mini, args.micro, dtype == "bf16"
+            )
+        print(f"{variant}: {results[variant]:.0f} tokens/s", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    threads = torch.get_num_threads()
+    print(f"\nSFT, {args.rows} rows of cooperative 3x3 games, SmolLM2-135M, {threads} threads")
+    print("| variant | tokens/s |\n|---|---|")
+    for k, v in results.items():
+        print(f"| {k} | {v:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

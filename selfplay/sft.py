@@ -1,0 +1,246 @@
+"""Behaviour cloning (``selfplay sft``): a supervised warm start on token-exact teacher rows.
+
+``sft(SFTConfig) -> SFTResult`` builds rows from one source and fine-tunes the model on them
+with verl's SFT loss on the same workers as ``selfplay train`` (``train.trainer.train_sft``):
+
+- ``teacher="scripted:NAME"``: plays ``num_games`` games of the scripted policy against itself
+  (or ``partner``) on fresh training scenarios; the cloned seats (``clone``: both, 1 or 2) are
+  recorded by ``TeacherPlayer`` exactly as the LLM player would record the model playing those
+  moves (the model's own chat format, mask 1 on the action tokens and the end-of-turn token);
+- ``games=PATH``: a games.jsonl of our own games, keeping the trained seats of games whose reward
+  is at least ``min_reward`` (filtered behaviour cloning);
+
+Layout: ``OUT/`` is the new Hugging Face model (as ``selfplay train`` writes it, with
+metrics.json); ``OUT/sft_data/`` holds the teacher games (``games.jsonl``) and the rows
+(``rows.parquet``, ``records.TRAINING_SCHEMA``) that were trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from selfplay.convert import ConvertConfig, rows_table
+from selfplay.records import GameRecord, append_records, iter_game_records
+
+log = logging.getLogger(__name__)
+
+SFT_SPACE = 0x5E1F_5F7A  # first word of the teacher games' scenario seeds (even, like training)
+DATA_DIR = "sft_data"
+
+
+class SFTError(ValueError):
+    """The SFT sources or options cannot give rows to train on; says what to do."""
+
+
+class SFTConfig(BaseModel):
+    """Everything ``sft`` needs: one or more row sources and the training options."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="the model to fine-tune (HF directory or id)")
+    out: Path = Field(description="output directory: the new HF model, metrics.json, sft_data/")
+    # sources
+    teacher: str | None = Field(None, description="scripted:NAME, a policy to clone")
+    partner: str | None = Field(None, description="the other seat's scripted policy (= teacher)")
+    clone: Literal["both", "1", "2"] = Field("both", description="which seats' turns to clone")
+    num_games: int = Field(1000, ge=1, description="teacher games to play")
+    table_size: int = Field(3, ge=3, le=8)
+    max_actions: int = Field(30, ge=1)
+    games: Path | None = Field(None, description="games.jsonl of our own games to clone")
+    min_reward: float = Field(0.0, description="keep games with at least this reward")
+    seed: int = Field(0, ge=0)
+    # training
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0.0)
+    mini_batch_size: int = Field(8, ge=1, description="rows per optimizer update")
+    micro_batch_size: int = Field(4, ge=1)
+    max_length: int = Field(4096, ge=2, description="rows with more tokens are left out")
+    dtype: Literal["fp32", "bf16"] | None = None
+    gpus: int = Field(0, ge=0)
+    ray_address: str | None = None
+    save_verl_checkpoint: bool = False
+
+    @model_validator(mode="after")
+    def _sources(self) -> SFTConfig:
+        if self.teacher is None and self.games is None:
+            raise ValueError("give at least one source: teacher or games")
+        for name in (self.teacher, self.partner):
+            if name is not None:
+                scripted_name(name)
+        return self
+
+    @property
+    def data_dir(self) -> Path:
+        return self.out / DATA_DIR
+
+
+def scripted_name(spec: str) -> str:
+    """``scripted:NAME`` (or a bare NAME) -> NAME; ValueError naming the accepted forms."""
+    from selfplay.players.scripted import SCRIPTED_NAMES
+
+    kind, sep, name = spec.partition(":")
+    if not sep:
+        kind, name = "scripted", spec
+    if kind != "scripted" or name not in SCRIPTED_NAMES:
+        raise ValueError(
+            f"teacher {spec!r} must be scripted:NAME with NAME one of {', '.join(SCRIPTED_NAMES)}"
+        )
+    return name
+
+
+@dataclass
+class SFTResult:
+    model_dir: Path
+    rows_path: Path
+    rows: int
+    sources: dict[str, int]  # rows per source
+    steps: list  # train.trainer.SFTStepMetrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def teacher_seed(seed: int, index: int) -> int:
+    """Scenario seed of teacher game ``index``: even, like training seeds, so never a held-out
+    evaluation scenario (those are odd), and in its own space apart from generate's."""
+    from selfplay.runner import scenario_seed
+
+    return scenario_seed(seed ^ SFT_SPACE, 0, index)
+
+
+def play_teacher_games(config: SFTConfig, chat) -> list[GameRecord]:
+    """The teacher's games, its cloned seats recorded token-exactly under ``chat``."""
+    from selfplay.game.matching import generate_scenario
+    from selfplay.play import play_game
+    from selfplay.players.llm import derive_seed
+    from selfplay.players.scripted import make_scripted
+    from selfplay.players.teacher import TeacherPlayer
+
+    assert config.teacher is not None
+    teacher = scripted_name(config.teacher)
+    names = (teacher, scripted_name(config.partner) if config.partner else teacher)
+    cloned = {"both": (0, 1), "1": (0,), "2": (1,)}[config.clone]
+
+    async def run() -> list[GameRecord]:
+        records = []
+        for i in range(config.num_games):
+            sseed = teacher_seed(config.seed, i)
+            scenario = generate_scenario(sseed, config.table_size)
+            gseed = derive_seed(SFT_SPACE, config.seed, i)
+            seats = []
+            for seat in (0, 1):
+                name = names[0] if seat in cloned else names[1]
+                player = make_scripted(name, scenario, seat, seed=derive_seed(gseed, seat))
+                seats.append(TeacherPlayer(player, chat) if seat in cloned else player)
+            records.append(
+                await play_game(
+                    scenario,
+                    (seats[0], seats[1]),
+                    game_id=f"sft-s{sseed}-g0",
+                    seed=gseed,
+                    max_actions=config.max_actions,
+                )
+            )
+        return records
+
+    return asyncio.run(run())
+
+
+def filtered_games(path: Path, min_reward: float) -> Iterator[GameRecord]:
+    """The games of ``path`` whose reward is at least ``min_reward``."""
+    for record in iter_game_records(path):
+        if record.reward >= min_reward:
+            yield record
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
+    """Write OUT/sft_data/rows.parquet from every source; return it and the rows per source."""
+    data = config.data_dir
+    data.mkdir(parents=True, exist_ok=True)
+    cut = ConvertConfig(games=data / "games.jsonl", out=data, max_length=config.max_length)
+    tables, sources = [], {}
+
+    def add(name: str, records: Iterable[GameRecord]) -> None:
+        table, counts = rows_table(records, cut)
+        if counts["too_long"]:
+            log.warning("%s: %d rows over --max-length left out", name, counts["too_long"])
+        sources[name] = table.num_rows
+        tables.append(table)
+
+    if config.teacher is not None:
+        records = play_teacher_games(config, chat)
+        games_path = data / "games.jsonl"
+        games_path.unlink(missing_ok=True)
+        append_records(games_path, records)
+        rewards = [r.reward for r in records]
+        log.info(
+            "teacher %s: %d games, mean reward %.3f",
+            config.teacher,
+            len(records),
+            sum(rewards) / len(rewards),
+        )
+        add(f"teacher {config.teacher}", records)
+    if config.games is not None:
+        if not config.games.is_file():
+            raise SFTError(f"--games {config.games} does not exist")
+        kept = filtered_games(config.games, config.min_reward)
+        add(f"games {config.games} (reward >= {config.min_reward})", kept)
+    import pyarrow as pa
+
+    table = pa.concat_tables(tables)
+    if table.num_rows < config.mini_batch_size:
+        raise SFTError(
+            f"the sources gave {table.num_rows} rows ({sources}), fewer than one mini-batch of "
+            f"{config.mini_batch_size}; add games, lower --min-reward or --mini-batch-size"
+        )
+    path = data / "rows.parquet"
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.replace(path)
+    return path, sources
+
+
+def sft(config: SFTConfig, on_step=None) -> SFTResult:
+    """Build the rows and fine-tune ``config.model`` on them; see the module docstring."""
+    from selfplay.players.llm import load_chat_format
+    from selfplay.train.config import TrainConfig
+    from selfplay.train.trainer import train_sft
+
+    if (config.out / "config.json").exists():
+        raise FileExistsError(
+            f"{config.out} already holds a model; choose another --out or delete it first"
+        )
+    chat = load_chat_format(config.model)
+    rows_path, sources = build_rows(config, chat)
+    tcfg = TrainConfig(
+        data=rows_path,
+        model=config.model,
+        out=config.out,
+        epochs=config.epochs,
+        lr=config.lr,
+        mini_batch_size=config.mini_batch_size,
+        batch_size=config.mini_batch_size * 4,
+        micro_batch_size=config.micro_batch_size,
+        max_length=config.max_length,
+        seed=config.seed,
+        dtype=config.dtype,
+        gpus=config.gpus,
+        ray_address=config.ray_address,
+        save_verl_checkpoint=config.save_verl_checkpoint,
+    )
+    result = train_sft(tcfg, on_step=on_step)
+    return SFTResult(config.out, rows_path, result.rows, sources, result.steps)

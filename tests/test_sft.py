@@ -1,0 +1,128 @@
+"""Behaviour cloning: token-exact teacher rows and verl's SFT loss on the real CPU worker."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from selfplay.cli import app
+from selfplay.evaluate import eval_scenario_seed
+from selfplay.players.llm import load_chat_format
+from selfplay.records import iter_game_records
+from selfplay.sft import SFTConfig, build_rows, teacher_seed
+
+
+@pytest.fixture(scope="module")
+def teacher_rows(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "model"
+    cfg = SFTConfig(model=str(tiny_model), out=out, teacher="scripted:cooperative", num_games=6)
+    chat = load_chat_format(str(tiny_model))
+    path, sources = build_rows(cfg, chat)
+    return cfg, chat, path, sources
+
+
+def test_rows_decode_to_the_teachers_actions_on_mask_1(teacher_rows):
+    cfg, chat, path, sources = teacher_rows
+    table = pq.read_table(path).to_pylist()
+    games = {g.game_id: g for g in iter_game_records(cfg.data_dir / "games.jsonl")}
+    assert len(table) == 12 == sources["teacher scripted:cooperative"]  # both seats of 6 games
+    for row in table:
+        game = games[row["game_id"]]
+        actions = [a.text for a in game.actions if a.seat == row["seat"]]
+        mask = np.array(row["response_mask"])
+        ids = np.array(row["response_ids"])
+        # the mask-1 runs, one per turn, each the action's tokens then the end-of-turn token
+        runs, run = [], []
+        for i, m in zip(ids, mask):
+            if m:
+                run.append(int(i))
+            elif run:
+                runs.append(run)
+                run = []
+        runs.append(run)
+        assert len(runs) == len(actions)
+        for run, action in zip(runs, actions):
+            assert run[-1] == chat.stop_token_ids[0]
+            assert chat.decode(run[:-1]) == action
+        assert row["reward"] == pytest.approx(game.reward)
+        # the prompt is the seat's first turn as the LLM player renders it
+        first = games[row["game_id"]].tokens[row["seat"]].messages[0]["content"]
+        assert row["prompt_ids"] == chat.encode(chat.first_prompt(first))
+
+
+def test_teacher_scenarios_are_training_seeds_not_eval_seeds():
+    seeds = {teacher_seed(0, i) for i in range(200)}
+    assert all(s % 2 == 0 for s in seeds)
+    assert not seeds & {eval_scenario_seed(7, i) for i in range(200)}
+
+
+@pytest.mark.slow
+def test_an_sft_update_lowers_the_loss_on_its_batch(teacher_rows, tiny_model):
+    from selfplay.train.batch import collate
+    from selfplay.train.config import TrainConfig
+    from selfplay.train.trainer import load_rows
+    from selfplay.train.workers import LocalWorkers, sft_inputs
+
+    cfg, _, path, _ = teacher_rows
+    tcfg = TrainConfig(
+        data=path, model=str(tiny_model), out=cfg.out, lr=1e-3, mini_batch_size=4,
+        micro_batch_size=2,
+    )  # fmt: skip
+    rows, pad_id = load_rows(tcfg, groups=False)
+    batch = sft_inputs(collate(rows.select(range(4)), pad_id))
+    workers = LocalWorkers(tcfg, total_steps=3)
+    try:
+        workers.use_sft_loss()
+        before = workers.loss(batch)
+        for step in range(3):
+            workers.update(batch, 4, step)
+        after = workers.loss(batch)
+    finally:
+        workers.close()
+    assert np.isfinite(before) and before > 0
+    assert after < before - 0.1
+
+
+@pytest.mark.slow
+def test_sft_cli_writes_a_model_and_its_data(tiny_model, tmp_path):
+    out = tmp_path / "sft_model"
+    result = CliRunner().invoke(
+        app,
+        [
+            "sft", "--out", str(out), "--model", str(tiny_model),
+            "--teacher", "scripted:no-talk", "--num-games", "8",
+            "--mini-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["algorithm"] == "sft" and metrics["rows"] == 16
+    assert [s["step"] for s in metrics["steps"]] == [4]
+    assert (out / "sft_data" / "rows.parquet").exists()
+    # and it loads as a model the LLM player can use
+    load_chat_format(str(out))
+
+
+def test_sft_without_a_source_names_the_fix(tmp_path):
+    result = CliRunner().invoke(app, ["sft", "--out", str(tmp_path / "m"), "--model", "x"])
+    assert result.exit_code == 1
+    assert "teacher or games" in result.output
+
+
+def test_filtered_games_keep_only_rewarding_games(teacher_rows, tiny_model, tmp_path):
+    cfg, chat, _, _ = teacher_rows
+    games = cfg.data_dir / "games.jsonl"
+    rewards = sorted(g.reward for g in iter_game_records(games))
+    cut = rewards[len(rewards) // 2]
+    fcfg = SFTConfig(
+        model=str(tiny_model), out=tmp_path / "m", games=games, min_reward=cut, mini_batch_size=2
+    )
+    path, _ = build_rows(fcfg, chat)
+    kept = pq.read_table(path).column("reward").to_pylist()
+    assert kept and min(kept) >= cut - 1e-6
+    assert len(kept) == 2 * sum(r >= cut for r in rewards)
