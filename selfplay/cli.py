@@ -728,6 +728,9 @@ def iterate_cmd(
         None, help="Training compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."
     ),
     gpus: int = typer.Option(0, help="Training GPUs (0: CPU)."),
+    save_verl_checkpoint: bool = typer.Option(
+        False, help="Keep verl's checkpoint with optimizer state each round (3x the model size)."
+    ),
     warm_start: str | None = typer.Option(
         None,
         help="Before round 0: scripted:NAME:GAMES (behaviour cloning of a scripted policy on "
@@ -805,6 +808,7 @@ def iterate_cmd(
                 entropy_coef=entropy_coef,
                 dtype=dtype,
                 gpus=gpus,
+                save_verl_checkpoint=save_verl_checkpoint,
             ),
             warm_start=warm_start,
             warm_start_lr=warm_start_lr,
@@ -819,11 +823,23 @@ def iterate_cmd(
         run = iterate(cfg, force=force)
     except (IterateError, ConvertError, RecordError, FileExistsError, EngineFailure) as e:
         raise fail(str(e)) from None
-    console.print(f"run {name}: {iterations} round(s) in {run.path}")
+    rounds = run.manifest.rounds.values()
+    skipped = [r.stages["train"].skip_reason for r in rounds if r.stages["train"].skip_reason]
+    held = run.manifest.heldout
+    line = f"run {name}: {iterations} round(s), {iterations - len(skipped)} trained"
+    if skipped:
+        line += f", {len(skipped)} skipped ({'; '.join(sorted(set(skipped)))})"
+    if held:
+        first, last = held[min(held)], held[max(held)]
+        line += (
+            f"; held-out reward {first.reward_mean:.3f} -> {last.reward_mean:.3f} "
+            f"[{last.reward_ci_low:.3f}, {last.reward_ci_high:.3f}]"
+        )
+    console.print(f"{line}; manifest {run.path}")
     if report:
         from selfplay.report import write_report
 
-        console.print(f"report: {write_report(cfg.run_dir, n=table_size)}")
+        console.print(f"report: {write_report(cfg.run_dir)}")
 
 
 @app.command("report")

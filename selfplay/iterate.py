@@ -83,6 +83,9 @@ class TrainOptions(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0)
     entropy_coef: float = Field(0.0, ge=0.0)
     dtype: Literal["fp32", "bf16"] | None = None
+    # verl's resumable checkpoint (optimizer state, ~3x the model) per round; the HF model of
+    # every round is always kept, and a killed train stage starts over either way
+    save_verl_checkpoint: bool = False
     rollout_is: Literal["none", "tis"] = "none"
     gpus: int = Field(0, ge=0)
     ray_address: str | None = None
@@ -169,12 +172,25 @@ ADDED_LATER = {
 }
 
 
+TRAIN_ADDED_LATER = {
+    "updates_per_round": 4,
+    "entropy_coef": 0.0,
+    "dtype": None,
+    "save_verl_checkpoint": False,
+}
+
+
 def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dump (new or from a manifest) that a resume must keep."""
     out = {k: v for k, v in dump.items() if k not in RESUMABLE}
     for name, old in ADDED_LATER.items():
         if out.get(name, old) == old:
             out.pop(name, None)
+    train = dict(out.get("train") or {})
+    for name, old in TRAIN_ADDED_LATER.items():
+        if train.get(name, old) == old:
+            train.pop(name, None)
+    out["train"] = train
     return out
 
 
@@ -208,6 +224,7 @@ class HeldOut(BaseModel):
     mean_actions: float | None
     outcomes: dict[str, int] = {}
     seconds: float = 0.0
+    path: str | None = None  # the evaluation's folder (games/model-model.jsonl, baselines)
 
 
 class Manifest(BaseModel):
@@ -472,8 +489,10 @@ def _heldout_eval(
     )
     fields = set(HeldOut.model_fields) - {"model"}
 
+    fields -= {"path"}
+
     def held(row) -> HeldOut:
-        return HeldOut(model=row.model or row.name, **row.model_dump(include=fields))
+        return HeldOut(model=row.model or row.name, path=str(out), **row.model_dump(include=fields))
 
     row = result.row("model", "model")
     if row.error:

@@ -186,7 +186,47 @@ def _heldout_table(manifest: dict) -> list[str]:
         md.append(line(start if int(k) == 0 else f"after round {int(k) - 1}", held[k]))
     for name, b in sorted((manifest.get("baselines") or {}).items()):
         md.append(line(f"scripted {name}", b))
-    return [*md, ""]
+    return md
+
+
+def _scenario_rewards(path: Path) -> dict[str, float]:
+    """Mean reward per scenario of an evaluation's games file."""
+    from selfplay.records import iter_game_records
+
+    by: dict[str, list[float]] = {}
+    for g in iter_game_records(path):
+        by.setdefault(g.scenario_id, []).append(g.reward)
+    return {k: sum(v) / len(v) for k, v in by.items()}
+
+
+def paired_differences(run_dir: Path, manifest: dict) -> list[tuple[str, int, float, float, float]]:
+    """(comparison, scenarios, mean, lo, hi): the final model's held-out reward minus the
+    starting model's and minus each scripted baseline's, paired by scenario (95% t-interval)."""
+    from selfplay.metrics import mean_ci
+
+    held = manifest.get("heldout") or {}
+    if len(held) < 2:
+        return []
+    final = max(held, key=int)
+
+    def games(h: dict, file: str) -> Path:
+        return Path(h["path"]) / "games" / file
+
+    if not held[final].get("path"):
+        return []
+    last = _scenario_rewards(games(held[final], "model-model.jsonl"))
+    others = {"start (after 0 rounds)": games(held["0"], "model-model.jsonl")}
+    for name, b in sorted((manifest.get("baselines") or {}).items()):
+        others[f"scripted {name}"] = games(b, f"baseline-{name}.jsonl")
+    out = []
+    for label, path in others.items():
+        if not path.exists():
+            continue
+        base = _scenario_rewards(path)
+        common = sorted(last.keys() & base.keys())
+        mean, lo, hi = mean_ci([last[s] - base[s] for s in common])
+        out.append((f"after {final} rounds - {label}", len(common), mean, lo, hi))
+    return out
 
 
 def _reward_vs_questions(run_dir: Path, rows, path: Path) -> Path | None:
@@ -272,6 +312,12 @@ def write_report(
             **plots,
         }
         md += _heldout_table(manifest)
+        diffs = paired_differences(run_dir, manifest)
+        if diffs:
+            md += ["", "Paired by held-out scenario (95% t-interval):", ""]
+            md += ["| difference | scenarios | mean [95% CI] |", "|---|---|---|"]
+            md += [f"| {c} | {n} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] |" for c, n, m, lo, hi in diffs]
+        md.append("")
     md.append("## Training games per round")
     md.append("")
     md.append(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -199,8 +200,6 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
             raise SFTError(f"--games {config.games} does not exist")
         kept = filtered_games(config.games, config.min_reward)
         add(f"games {config.games} (reward >= {config.min_reward})", kept)
-    import pyarrow as pa
-
     table = pa.concat_tables(tables)
     if table.num_rows < config.mini_batch_size:
         raise SFTError(

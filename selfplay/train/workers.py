@@ -87,7 +87,11 @@ def worker_config(cfg: TrainConfig, total_steps: int):
     a.actor.optim.weight_decay = cfg.weight_decay
     a.actor.optim.clip_grad = cfg.clip_grad
     a.actor.optim.total_training_steps = max(1, total_steps)
-    a.actor.checkpoint.save_contents = ["model", "optimizer", "extra", "hf_model"]
+    # without a resumable checkpoint only the HF weights are written (no optimizer state: twice
+    # the model's size again)
+    a.actor.checkpoint.save_contents = (
+        ["model", "optimizer", "extra", "hf_model"] if cfg.save_verl_checkpoint else ["hf_model"]
+    )
     a.actor.checkpoint.load_contents = ["model", "optimizer", "extra"]
     a.rollout.n = 1
     a.rollout.log_prob_micro_batch_size_per_gpu = micro
