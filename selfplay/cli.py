@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Annotated
@@ -73,10 +74,24 @@ PrefixCacheOption = Annotated[
         "its new tokens (0: off; default: HFEngineConfig's, 65,536).",
     ),
 ]
+HealthTimeoutOption = Annotated[
+    float,
+    typer.Option(
+        min=1.0,
+        help="sglang: seconds to wait for the server's /health (a launched server loads the model "
+        "first; an attached URL that refuses connections fails at once).",
+    ),
+]
 PartnerKeyEnvOption = Annotated[
     str,
     typer.Option(help="openai partner: NAME of the environment variable with the key."),
 ]
+
+
+def default_data_dir() -> Path:
+    """The folder `selfplay generate` writes by default: data/$EXP_NAME, else data/generate
+    (convert and train read it when given no paths)."""
+    return Path("data") / (os.environ.get("EXP_NAME") or "generate")
 
 
 def fail(message: str) -> typer.Exit:
@@ -321,9 +336,21 @@ def _eval_scripted_pair(
 
 @app.command("train")
 def train(
-    data: Path = typer.Option(..., help="train.parquet written by `selfplay convert`."),
-    model: str = typer.Option(..., help="HF model directory the rows were generated with."),
-    out: Path = typer.Option(..., help="Output: HF model dir, verl checkpoint, metrics.json."),
+    data: Path | None = typer.Option(
+        None,
+        help="train.parquet written by `selfplay convert` (default: the default generate "
+        "folder's, data/$EXP_NAME/train.parquet, else data/generate/train.parquet).",
+    ),
+    model: str | None = typer.Option(
+        None,
+        help="HF model the rows were generated with ('embedded' for SmolLM2; default: the model "
+        "in generate.json beside --data).",
+    ),
+    out: Path | None = typer.Option(
+        None,
+        help="Output: HF model dir, verl checkpoint, metrics.json (default: "
+        "checkpoints/$EXP_NAME, else checkpoints/generate).",
+    ),
     epochs: int = typer.Option(1, help="Passes over the rows."),
     lr: float = typer.Option(1e-6, help="Learning rate (AdamW)."),
     batch_size: int | None = typer.Option(
@@ -354,10 +381,23 @@ def train(
     """Offline GRPO with verl on converted rows; writes a Hugging Face model directory."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from selfplay.models import resolve_model
     from selfplay.train import TrainConfig
     from selfplay.train import train as run_training
     from selfplay.train.batch import TrainDataError
 
+    data = data or default_data_dir() / "train.parquet"
+    out = out or Path("checkpoints") / default_data_dir().name
+    if model is None:
+        snapshot = data.parent / "generate.json"
+        try:
+            model = json.loads(snapshot.read_text())["identity"]["model"]
+        except (OSError, ValueError, KeyError):
+            raise fail(
+                f"--model not given and {snapshot} does not name the model the games were "
+                "generated with; pass --model"
+            ) from None
+    model = resolve_model(model)
     try:
         cfg = TrainConfig(
             data=data,
@@ -487,6 +527,7 @@ def generate(
     ),
     engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
     engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
+    health_timeout: HealthTimeoutOption = 900.0,
     temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0),
     max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
@@ -520,7 +561,6 @@ def generate(
     """Play games through an engine (self-play or against --partner); append each finished game
     to OUT/games.jsonl. An openai partner's key comes from $OPENAI_API_KEY (or --partner-key-env);
     its answers are cached in OUT/partner_cache.jsonl."""
-    import os
     import signal
 
     from rich.console import Console as _Console
@@ -532,7 +572,7 @@ def generate(
     from selfplay.records import SamplingParams
     from selfplay.runner import OutputMismatch, RichProgress, run_generate, summary_table
 
-    out = out or Path("data") / (os.environ.get("EXP_NAME") or "generate")
+    out = out or default_data_dir()
     if engine not in ("hf", "sglang"):
         raise fail(f"--engine must be hf or sglang, got {engine!r}")
     if engine_url and engine != "sglang":
@@ -566,6 +606,7 @@ def generate(
             engine_cfg = SGLangEngineConfig(
                 model=model_path,
                 url=engine_url,
+                startup_timeout_s=health_timeout,
                 python=sglang_python,
                 port=sglang_port,
                 tp_size=tp_size,
@@ -599,9 +640,15 @@ def generate(
 
 @app.command("convert")
 def convert(
-    games: Path = typer.Option(..., help="games.jsonl written by `selfplay generate`."),
-    out: Path = typer.Option(
-        ..., help="Output folder: train.parquet, val.parquet, convert_summary.json."
+    games: Path | None = typer.Option(
+        None,
+        help="games.jsonl written by `selfplay generate` (default: the default generate "
+        "folder's, data/$EXP_NAME/games.jsonl, else data/generate/games.jsonl).",
+    ),
+    out: Path | None = typer.Option(
+        None,
+        help="Output folder: train.parquet, val.parquet, convert_summary.json (default: the "
+        "games file's folder).",
     ),
     group_by: str = typer.Option(
         "scenario",
@@ -622,6 +669,8 @@ def convert(
     from selfplay.convert import convert as run_convert
     from selfplay.records import RecordError
 
+    games = games or default_data_dir() / "games.jsonl"
+    out = out or games.parent
     try:
         cfg = ConvertConfig(
             games=games,
@@ -683,6 +732,7 @@ def iterate_cmd(
     seed: int = typer.Option(0, min=0),
     engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
     engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
+    health_timeout: HealthTimeoutOption = 900.0,
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1."),
     max_batch_size: MaxBatchOption = 64,
     prefix_cache_tokens: PrefixCacheOption = None,
@@ -753,9 +803,12 @@ def iterate_cmd(
     from selfplay.convert import ConvertError
     from selfplay.engines import EngineFailure, SGLangEngineConfig
     from selfplay.iterate import IterateConfig, IterateError, TrainOptions, iterate
+    from selfplay.locks import FolderBusy
     from selfplay.models import resolve_model
     from selfplay.records import RecordError, SamplingParams
 
+    if engine_url and engine != "sglang":
+        raise fail("--engine-url attaches to an SGLang server: add --engine sglang")
     try:
         initial = resolve_model(model)
         match engine:
@@ -765,6 +818,7 @@ def iterate_cmd(
                 engine_cfg = SGLangEngineConfig(
                     model=initial,
                     url=engine_url,
+                    startup_timeout_s=health_timeout,
                     python=sglang_python,
                     tp_size=tp_size,
                     mem_fraction=mem_fraction,
@@ -821,7 +875,14 @@ def iterate_cmd(
         raise bad_option(e) from None
     try:
         run = iterate(cfg, force=force)
-    except (IterateError, ConvertError, RecordError, FileExistsError, EngineFailure) as e:
+    except (
+        IterateError,
+        ConvertError,
+        RecordError,
+        FileExistsError,
+        EngineFailure,
+        FolderBusy,
+    ) as e:
         raise fail(str(e)) from None
     rounds = run.manifest.rounds.values()
     skipped = [r.stages["train"].skip_reason for r in rounds if r.stages["train"].skip_reason]

@@ -42,6 +42,7 @@ from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
 from selfplay.engines import HFEngineConfig, SGLangEngineConfig
 from selfplay.generate_config import GenerateConfig
+from selfplay.locks import folder_lock
 from selfplay.metrics import summarize
 from selfplay.records import SamplingParams, iter_game_records
 from selfplay.train.config import TrainConfig
@@ -300,7 +301,12 @@ class Run:
         old = config_identity(self.manifest.config)
         new = self.config.identity()
         diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        if diff and not force:
+        if diff and not self.started():
+            log.info(
+                "run %s had not produced anything yet: taking the new options", self.config.name
+            )
+            self.manifest.rounds = {}
+        elif diff and not force:
             details = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
             raise IterateError(
                 f"run {self.config.name!r} was started with another configuration ({details}). "
@@ -311,6 +317,16 @@ class Run:
             log.warning("--force: continuing run %s with changed %s", self.config.name, diff)
         self.manifest.config = self.config.model_dump(mode="json")
         self.save()
+
+    def started(self) -> bool:
+        """Whether any stage has finished (until then a corrected command may change options)."""
+        m = self.manifest
+        return bool(
+            m.warm_start
+            or m.heldout
+            or m.heldout_initial
+            or any(r.stages for r in m.rounds.values())
+        )
 
     def save(self) -> None:
         _atomic_write(self.path, orjson.dumps(self.manifest.model_dump(mode="json")))
@@ -699,13 +715,37 @@ def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
         "train": train.info or None,
         "skip_reason": train.skip_reason,
         "seconds": {name: rec.seconds for name, rec in rnd.stages.items()},
+        # resident memory (MiB): the loop's own now, and each stage's peak (its own process)
+        "rss_mb": {
+            "loop": _rss_mb(),
+            **{n: r.info["peak_rss_mb"] for n, r in rnd.stages.items() if "peak_rss_mb" in r.info},
+        },
     }
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory now, in MiB (Linux; None elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def iterate(
     config: IterateConfig, *, force: bool = False, generate: Generate = _default_generate
 ) -> Run:
-    """Run (or resume, or extend) ``config.iterations`` rounds; return the run."""
+    """Run (or resume, or extend) ``config.iterations`` rounds; return the run.
+
+    Holds the run folder's lock throughout: a second iterate of the same run is refused at once.
+    """
+    with folder_lock(config.run_dir, f"selfplay iterate --name {config.name}"):
+        return _iterate_locked(config, force, generate)
+
+
+def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> Run:
     run = Run(config, force=force)
     if config.warm_start is not None and config.eval_scenarios and not run.manifest.heldout_initial:
         out = config.run_dir / "eval" / "initial"

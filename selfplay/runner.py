@@ -43,6 +43,7 @@ import orjson
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.generate_config import GenerateConfig
+from selfplay.locks import folder_lock
 from selfplay.metrics import Summary
 from selfplay.partners import OpenAIPartner, ScriptedPartner, SelfPlay, parse_partner
 from selfplay.play import play_game
@@ -119,8 +120,10 @@ def plan_games(config: GenerateConfig) -> Iterator[GameSpec]:
 # Output folder: snapshot, resume
 
 
-def prepare_output(config: GenerateConfig) -> dict[str, float]:
-    """Create OUT, check or write generate.json, repair a torn tail; return {game_id: reward}."""
+def prepare_output(config: GenerateConfig, *, record: bool = True) -> dict[str, float]:
+    """Create OUT, check generate.json (and write it, with ``record``), repair a torn tail;
+    return {game_id: reward}. ``run_generate`` records the options only once the engine has
+    started, so a typo (a model that does not load) does not tie the folder to its options."""
     config.out.mkdir(parents=True, exist_ok=True)
     snap = config.snapshot_path
     identity = config.identity()
@@ -133,12 +136,19 @@ def prepare_output(config: GenerateConfig) -> dict[str, float]:
                 f"{config.out} holds games generated with other options ({detail}). Re-run with "
                 "the same options to resume, or choose another --out"
             )
-    else:
-        tmp = snap.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n")
-        tmp.replace(snap)
+    elif record:
+        record_options(config)
     repair_jsonl_tail(config.games_path)  # logs a warning when it drops a torn line
     return scan_games(config.games_path)
+
+
+def record_options(config: GenerateConfig) -> None:
+    """Write OUT/generate.json: the options that decide which games the folder holds."""
+    snap = config.snapshot_path
+    if not snap.exists():
+        tmp = snap.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"identity": config.identity()}, indent=2) + "\n")
+        tmp.replace(snap)
 
 
 def scan_games(path: Path) -> dict[str, float]:
@@ -525,14 +535,24 @@ def _summary_records(path: Path, ids: set[str]) -> Iterator[GameRecord]:
 async def run_generate_async(
     config: GenerateConfig, engine_config: EngineConfig, progress: Progress | None = None
 ) -> GenerateResult:
-    """Check the output and the chat template, start the engine, play, always stop the engine."""
-    existing = prepare_output(config)
+    """Check the output and the chat template, start the engine, play, always stop the engine.
+
+    Holds OUT's lock throughout: a second generate into the same folder is refused at once."""
+    with folder_lock(config.out, "selfplay generate"):
+        return await _run_generate_locked(config, engine_config, progress)
+
+
+async def _run_generate_locked(
+    config: GenerateConfig, engine_config: EngineConfig, progress: Progress | None
+) -> GenerateResult:
+    existing = prepare_output(config, record=False)
     chat = await asyncio.to_thread(load_chat_format, engine_config.model)
     api = partner_config(config)
     partner_client = open_partner_client(api) if api is not None else None
     engine = open_engine(engine_config)
     try:
         await engine.start()
+        record_options(config)  # the run has really started: the folder now holds its games
         return await generate_games(
             config,
             engine,

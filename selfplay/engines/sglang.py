@@ -141,6 +141,12 @@ class SGLangEngine:
         )
         deadline = time.monotonic() + c.startup_timeout_s
         last = "no answer yet"
+        log.info(
+            "waiting for the SGLang server at %s to answer /health (up to %.0f s)%s",
+            self.url,
+            c.startup_timeout_s,
+            f"; its log: {self.log_path}" if self.log_path else "",
+        )
         while True:
             reason = self._server_exit()
             if reason:
@@ -150,6 +156,13 @@ class SGLangEngine:
                 if r.status_code == 200:
                     break
                 last = f"HTTP {r.status_code}"
+            except httpx.ConnectError as e:
+                if self.process is None:  # attached: nothing is starting up there, say so now
+                    raise EngineFailure(
+                        f"nothing answers at {self.url} ({e}); start the SGLang server there, "
+                        "fix --engine-url, or leave it out to launch one"
+                    ) from e
+                last = f"{type(e).__name__}: {e}"
             except _RETRYABLE as e:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() > deadline:

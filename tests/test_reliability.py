@@ -1,0 +1,179 @@
+"""The commands as users type them: one writer per folder, typos that cost nothing, the user story
+without paths, and a report that keeps the run's own settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from selfplay.cli import app
+from selfplay.locks import LOCK_NAME, FolderBusy, folder_lock
+from selfplay.records import iter_game_records
+
+GEN = ["--table-size", "3", "--max-new-tokens", "24", "--max-actions", "6"]
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    with folder_lock(out, "a test"):
+        with (
+            pytest.raises(FolderBusy, match=f"pid {os.getpid()} \\(a test"),
+            folder_lock(out, "another"),
+        ):
+            pass
+        res = CliRunner().invoke(
+            app, ["generate", "--out", str(out), "--model", str(tiny_model), "--num-games", "2"]
+        )
+        assert res.exit_code == 1 and f"in use by pid {os.getpid()}" in res.output
+        assert not (out / "games.jsonl").exists() and not (out / "generate.json").exists()
+        res = CliRunner().invoke(
+            app,
+            ["iterate", "--name", "run", "--data-root", str(tmp_path), "--model", str(tiny_model)],
+        )
+        assert res.exit_code == 1 and "in use by" in res.output
+    with folder_lock(out, "after"):  # released: free again
+        pass
+
+
+def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    code = (
+        "import sys, time; from pathlib import Path; from selfplay.locks import folder_lock\n"
+        f"with folder_lock(Path({str(out)!r}), 'holder'):\n"
+        "    print('held', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    with pytest.raises(FolderBusy, match=f"pid {proc.pid}"), folder_lock(out, "second"):
+        pass
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / LOCK_NAME).exists()  # the stale file stays ...
+    with folder_lock(out, "third"):  # ... its lock does not
+        assert f"pid {os.getpid()}" in (out / LOCK_NAME).read_text()
+
+
+def test_a_typo_then_the_corrected_command(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    bad = CliRunner().invoke(
+        app, ["generate", "--out", str(out), "--model", str(tmp_path / "nope"), "--num-games", "2"]
+    )
+    assert bad.exit_code == 1
+    assert not (out / "generate.json").exists()  # nothing recorded: the run never started
+    good = CliRunner().invoke(
+        app, ["generate", "--out", str(out), "--model", str(tiny_model), "--num-games", "2", *GEN]
+    )
+    assert good.exit_code == 0, good.output
+    assert len(list(iter_game_records(out / "games.jsonl"))) == 2
+
+
+def test_iterate_takes_corrected_options_while_nothing_was_produced(tmp_path, tiny_model):
+    from selfplay.engines import HFEngineConfig
+    from selfplay.iterate import IterateConfig, RoundRecord, Run
+
+    def cfg(model: str) -> IterateConfig:
+        return IterateConfig(
+            name="r", iterations=1, model=model, engine=HFEngineConfig(model=model),
+            data_root=tmp_path, eval_scenarios=0,
+        )  # fmt: skip
+
+    first = Run(cfg("/typo"))
+    first.manifest.rounds[0] = RoundRecord(model="/typo")  # a round begun, no stage finished
+    first.save()
+    run = Run(cfg(str(tiny_model)))  # accepted: nothing was produced yet
+    assert run.manifest.config["model"] == str(tiny_model) and not run.manifest.rounds
+
+
+@pytest.mark.slow
+def test_the_user_story_without_paths(tmp_path, primed_model, monkeypatch):
+    """`selfplay generate --num-games N`, then `selfplay convert`, then `selfplay train`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EXP_NAME", "story")
+    gen = CliRunner().invoke(
+        app,
+        ["generate", "--num-games", "16", "--model", str(primed_model), "--temperature", "0.7",
+         "--games-per-scenario", "4", *GEN],
+    )  # fmt: skip
+    assert gen.exit_code == 0, gen.output
+    conv = CliRunner().invoke(app, ["convert"])
+    assert conv.exit_code == 0, conv.output
+    assert (tmp_path / "data" / "story" / "train.parquet").exists()
+    train = CliRunner().invoke(app, ["train", "--micro-batch-size", "2", "--lr", "1e-4"])
+    assert train.exit_code == 0, train.output
+    out = tmp_path / "checkpoints" / "story"
+    assert (out / "config.json").exists()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["model"] == str(primed_model)
+
+
+def test_train_without_a_model_or_games_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EXP_NAME", "none")
+    res = CliRunner().invoke(app, ["train"])
+    assert res.exit_code == 1 and "pass --model" in res.output
+    res = CliRunner().invoke(app, ["convert"])
+    assert res.exit_code == 1 and "data/none/games.jsonl" in res.output
+
+
+def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
+    from selfplay import report
+    from selfplay.evaluate import play_scripted
+    from selfplay.metrics import summarize
+
+    run = tmp_path / "run"
+    run.mkdir()
+    games = play_scripted(("cooperative", "cooperative"), num_games=3, seed=0, n=3)
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 0, **summarize(games)}) + "\n")
+    (run / "manifest.json").write_text(json.dumps({"config": {"table_size": 3}}))
+    seen = []
+    monkeypatch.setattr(report, "baseline_rewards", lambda n: seen.append(n) or {"random": 0.5})
+    assert CliRunner().invoke(app, ["report", str(run)]).exit_code == 0
+    assert seen == [3]
+
+
+def test_two_iterates_of_one_run_cannot_both_write(tmp_path, tiny_model):
+    """The second `selfplay iterate --name same` is refused at once while the first runs."""
+    env = {**os.environ, "SELFPLAY_HOLD_BEFORE": "warm_start", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable, "-m", "selfplay", "iterate", "--name", "same", "--data-root",
+        str(tmp_path), "--model", str(tiny_model), "--warm-start", "scripted:no-talk:4",
+        "--eval-scenarios", "0", "--table-size", "3",
+    ]  # fmt: skip
+    first = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "same" / "holding_warm_start").exists():
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1
+        assert f"in use by pid {first.pid}" in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def test_a_refused_engine_url_fails_at_once(tmp_path, tiny_model):
+    from test_engines import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    res = CliRunner().invoke(
+        app,
+        ["generate", "--out", str(tmp_path / "g"), "--model", str(tiny_model), "--num-games", "2",
+         "--engine", "sglang", "--engine-url", url],
+    )  # fmt: skip
+    assert res.exit_code == 1 and f"nothing answers at {url}" in res.output
+    assert time.monotonic() - started < 30
+    res = CliRunner().invoke(
+        app,
+        ["iterate", "--data-root", str(tmp_path), "--model", str(tiny_model), "--engine-url", url],
+    )
+    assert res.exit_code == 1 and "add --engine sglang" in res.output
