@@ -6,6 +6,7 @@ into its stage's config and calls the library. Library errors become one clear m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,39 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(
+from selfplay.errors import UserError
+
+
+class _App(typer.Typer):
+    """A Typer app whose commands all end the same way on failure (the one place errors are
+    caught): a ``UserError`` is one line and exit 1; any other exception is one line naming it
+    and how to see its traceback (exit 1), or the traceback itself under ``-v``."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+
+        def decorate(fn):
+            @functools.wraps(fn)
+            def guarded(*a, **kw):
+                try:
+                    return fn(*a, **kw)
+                except UserError as e:
+                    raise fail(str(e)) from None
+                except (typer.Exit, typer.Abort, KeyboardInterrupt):
+                    raise
+                except Exception as e:
+                    if logging.getLogger().isEnabledFor(logging.DEBUG):
+                        raise
+                    raise fail(
+                        f"{type(e).__name__}: {e} (run `selfplay -v ...` for the traceback)"
+                    ) from None
+
+            return register(guarded)
+
+        return decorate
+
+
+app = _App(
     help="Self-play RL for language models on the DialOp matching game.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

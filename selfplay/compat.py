@@ -24,13 +24,15 @@ import os
 import types
 from importlib import metadata
 
+from selfplay.errors import UserError
+
 log = logging.getLogger(__name__)
 
 PINNED_VERL_VERSION = "0.9.1"
 CPU_PLATFORM = "cpu"
 
 
-class VerlVersionError(RuntimeError):
+class VerlVersionError(UserError, RuntimeError):
     """The installed verl is not the version this compatibility layer was written for."""
 
 

@@ -52,6 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from selfplay.errors import UserError
 from selfplay.records import SCHEMA_VERSION, TRAINING_SCHEMA, GameRecord, RecordError
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ MAX_REPORTED_SKIPS = 100  # the summary lists this many skipped lines; the count
 _IO_BUFFER = 1 << 20
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError, ValueError):
     """The games cannot give a usable training set; the message says what to change."""
 
 

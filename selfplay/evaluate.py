@@ -48,6 +48,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from selfplay.engines import EngineFailure, HFEngineConfig, open_engine
+from selfplay.errors import UserError
 from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.metrics import classify_question, mean_ci, summarize
 from selfplay.partners import PartnerOptions
@@ -137,7 +138,7 @@ def evaluate_scripted(players: tuple[str, str], **kwargs) -> dict:
 # Config and result
 
 
-class EvalError(ValueError):
+class EvalError(UserError, ValueError):
     """The evaluation cannot give a result as asked; says what to do.
 
     ``result`` holds what was evaluated before the failure (baselines, human row, errors), if any.

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
 from selfplay.engines import HFEngineConfig, SGLangEngineConfig
+from selfplay.errors import UserError
 from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
 from selfplay.metrics import summarize
@@ -64,7 +65,7 @@ def _hold(run_dir: Path, stage: str) -> None:
             time.sleep(1)
 
 
-class IterateError(ValueError):
+class IterateError(UserError, ValueError):
     """The run cannot go on as asked (conflicting config, missing artifact); says what to do."""
 
 

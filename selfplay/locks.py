@@ -16,10 +16,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from selfplay.errors import UserError
+
 LOCK_NAME = ".selfplay.lock"
 
 
-class FolderBusy(RuntimeError):
+class FolderBusy(UserError, RuntimeError):
     """Another live process is writing to the folder; says which one."""
 
 

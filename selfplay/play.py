@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from selfplay.errors import UserError
 from selfplay.game.matching import Scenario
 from selfplay.game.prompts import intro
 from selfplay.game.protocol import Game, Outcome
@@ -19,7 +20,7 @@ from selfplay.records import ActionRecord, GameRecord
 log = logging.getLogger(__name__)
 
 
-class EngineFailure(RuntimeError):
+class EngineFailure(UserError, RuntimeError):
     """An engine could not serve a request after its retries (dead server, timeout).
 
     Raised by players; fatal for the run, not just for the game, so the runner stops cleanly.

@@ -19,6 +19,7 @@ import orjson
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from selfplay.errors import UserError
 from selfplay.game.matching import Scenario
 from selfplay.game.protocol import Outcome
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record file that cannot be used as a whole (missing, empty, another schema version)."""
 
 

@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 import orjson
 
+from selfplay.errors import UserError
 from selfplay.evaluate import evaluate_scripted
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ HUMAN_REFERENCE = 0.921  # mean normalised reward of the 134 DialOp human games 
 BASELINES = ("cooperative", "no-talk", "random")
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A run directory without metrics to report."""
 
 

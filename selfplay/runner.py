@@ -41,6 +41,7 @@ import numpy as np
 import orjson
 
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
+from selfplay.errors import UserError
 from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 TRAIN_SPACE = 0x5E1F_9A3E  # first word of every generate seed sequence (eval uses its own)
 
 
-class OutputMismatch(ValueError):
+class OutputMismatch(UserError, ValueError):
     """OUT already holds games planned with other options."""
 
 

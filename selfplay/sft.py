@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from selfplay.convert import ConvertConfig, rows_table
+from selfplay.errors import UserError
 from selfplay.records import GameRecord, append_records, iter_game_records
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ SFT_SPACE = 0x5E1F_5F7A  # first word of the teacher games' scenario seeds (even
 DATA_DIR = "sft_data"
 
 
-class SFTError(ValueError):
+class SFTError(UserError, ValueError):
     """The SFT sources or options cannot give rows to train on; says what to do."""
 
 

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Sequence
 
 from selfplay.engines import Engine, EngineFailure, GenerationRequest
+from selfplay.errors import UserError
 from selfplay.records import SamplingParams, SeatConfig, SeatTokens
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ _PROBE = [  # a realistic conversation the composed rendering must reproduce exa
 ]
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """The model's chat template cannot be extended append-only for our message pattern."""
 
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from selfplay.errors import UserError
 from selfplay.records import SCHEMA_VERSION, TRAINING_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ REQUIRED_COLUMNS = (
 )
 
 
-class TrainDataError(ValueError):
+class TrainDataError(UserError, ValueError):
     """Training rows that cannot be trained on; the message says what is wrong and what to do."""
 
 

@@ -66,7 +66,7 @@ class TrainConfig(BaseModel):
         True, description="pack rows without padding (verl's rmpad path); False: padded batches"
     )
     gradient_checkpointing: bool = False
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     max_length: int | None = Field(
         None, ge=2, description="refuse rows whose prompt+response is longer"
     )

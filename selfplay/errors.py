@@ -1,0 +1,11 @@
+"""``UserError``: the one base class of errors a user can fix (a path, an option, a busy folder).
+
+Every stage raises a subclass whose message says what is wrong and what to do; the CLI turns any
+of them into one line and exit code 1, and turns anything else into one line that says how to
+see the traceback (``selfplay -v``). Subclasses keep their older bases (``ValueError``,
+``RuntimeError``) so existing ``except`` clauses still catch them.
+"""
+
+
+class UserError(Exception):
+    """An error the user can fix; its message says how."""
