@@ -789,7 +789,11 @@ def iterate_cmd(
     group_by: str = typer.Option("scenario", help="scenario or scenario-seat."),
     val_fraction: float = typer.Option(0.0, min=0.0, max=0.99),
     max_length: int = typer.Option(4096, min=2, help="Rows longer than this are dropped."),
-    keep_degenerate: bool = typer.Option(False, help="Train even on groups with equal rewards."),
+    keep_degenerate: bool = typer.Option(
+        False,
+        help="Write groups whose rewards are all equal too (advantage 0: they add no gradient, "
+        "and a round with nothing else still skips its update).",
+    ),
     invalid_penalty: float = typer.Option(
         0.0,
         min=0.0,
@@ -908,6 +912,12 @@ def iterate_cmd(
         raise bad_option(e) from None
     try:
         run = iterate(cfg, force=force)
+    except KeyboardInterrupt:
+        console.print(
+            f"[bold red]interrupted:[/] finished stages are kept in {cfg.run_dir}; re-run the "
+            "same command to resume"
+        )
+        raise typer.Exit(130) from None
     except (
         IterateError,
         ConvertError,

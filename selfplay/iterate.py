@@ -188,6 +188,9 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     for name, old in ADDED_LATER.items():
         if out.get(name, old) == old:
             out.pop(name, None)
+    for name in ("data_root", "checkpoint_root"):  # the same folder however it was written
+        if out.get(name) is not None:
+            out[name] = str(Path(out[name]).resolve())
     train = dict(out.get("train") or {})
     for name, old in TRAIN_ADDED_LATER.items():
         if train.get(name, old) == old:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import orjson
 import pytest
 from typer.testing import CliRunner
 
@@ -130,7 +131,7 @@ def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     games = play_scripted(("cooperative", "cooperative"), num_games=3, seed=0, n=3)
-    (run / "metrics.jsonl").write_text(json.dumps({"round": 0, **summarize(games)}) + "\n")
+    (run / "metrics.jsonl").write_bytes(orjson.dumps({"round": 0, **summarize(games)}) + b"\n")
     (run / "manifest.json").write_text(json.dumps({"config": {"table_size": 3}}))
     seen = []
     monkeypatch.setattr(report, "baseline_rewards", lambda n: seen.append(n) or {"random": 0.5})
@@ -177,3 +178,23 @@ def test_a_refused_engine_url_fails_at_once(tmp_path, tiny_model):
         ["iterate", "--data-root", str(tmp_path), "--model", str(tiny_model), "--engine-url", url],
     )
     assert res.exit_code == 1 and "add --engine sglang" in res.output
+
+
+def test_a_run_resumes_by_absolute_path_and_from_another_folder(tmp_path, monkeypatch):
+    from selfplay.engines import HFEngineConfig
+    from selfplay.iterate import IterateConfig, Run, StageRecord
+
+    def cfg(root) -> IterateConfig:
+        return IterateConfig(
+            name="r", iterations=1, model="m", engine=HFEngineConfig(model="m"), data_root=root,
+            checkpoint_root=tmp_path / "ckpt", eval_scenarios=0,
+        )  # fmt: skip
+
+    monkeypatch.chdir(tmp_path)
+    run = Run(cfg("data"))
+    run.manifest.warm_start = StageRecord(finished_at=0.0, seconds=0.0)  # the run has started
+    run.save()
+    Run(cfg(tmp_path / "data"))  # the same folder, written absolutely: no IterateError
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    Run(cfg("../data"))
