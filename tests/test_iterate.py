@@ -208,9 +208,9 @@ def test_kill_anywhere_then_resume_matches_uninterrupted(reference_run, primed_m
     proc = _start(cmd, SELFPLAY_HOLD_BEFORE="convert")
     _kill_when(proc, lambda: (run / "holding_convert").exists())
     (run / "holding_convert").unlink()
-    # 3. during train: once the trainer has created its output folder
+    # 3. during train: once the trainer has created its (hidden, partial) output folder
     proc = _start(cmd)
-    _kill_when(proc, lambda: (tmp_path / "checkpoints" / "ref" / "round_0").exists())
+    _kill_when(proc, lambda: (tmp_path / "checkpoints" / "ref" / ".round_0.partial").exists())
     # 4. the same command finishes the run
     _run(cmd)
     got, want = _snapshot(tmp_path, "ref"), _snapshot(reference_run, "ref")

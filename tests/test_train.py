@@ -241,3 +241,35 @@ def test_ray_launcher_runs_the_same_update_on_cpu(tiny_model, tmp_path):
         assert (end[good] > start[good]).all() and (end[~good] < start[~good]).all()
     finally:
         workers.close()
+
+
+def test_a_full_disk_leaves_nothing_half_written_and_a_retry_works(tmp_path, monkeypatch):
+    """ENOSPC while the model is written: one clear error naming the folder and the free space,
+    no partial model in --out, and the same command works once there is room."""
+    import errno
+
+    from selfplay.train import trainer
+
+    out = tmp_path / "model"
+
+    def full(cfg, on_step):
+        (cfg.out / "verl_checkpoint").mkdir(parents=True)
+        (cfg.out / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "_train", full)
+    cfg = TrainConfig(data=tmp_path / "x.parquet", model=str(tmp_path), out=out)
+    with pytest.raises(trainer.DiskFull, match=r"disk filled up .* MiB are free"):
+        trainer.train(cfg)
+    assert not out.exists() and not list(tmp_path.glob(".model.partial*"))
+
+    def ok(cfg, on_step):
+        cfg.out.mkdir(parents=True)
+        (cfg.out / "config.json").write_text("{}")
+        (cfg.out / trainer.METRICS_FILENAME).write_text('{"config": {"out": "x"}}')
+        return trainer.TrainResult(cfg.out, None, cfg.out / trainer.METRICS_FILENAME)
+
+    monkeypatch.setattr(trainer, "_train", ok)
+    result = trainer.train(cfg)
+    assert result.model_dir == out and (out / "config.json").exists()
+    assert json.loads((out / "metrics.json").read_text())["config"]["out"] == str(out)

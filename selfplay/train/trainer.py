@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from selfplay.errors import UserError
 from selfplay.train.batch import (
     Rows,
     TrainDataError,
@@ -245,12 +248,68 @@ def _check_out(cfg: TrainConfig) -> None:
         )
 
 
+class DiskFull(UserError, OSError):
+    """The disk filled up while a model was written; nothing half-written is left."""
+
+
+def _publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
+    """Train into a hidden folder beside ``cfg.out``, then move the finished files into
+    ``cfg.out`` (config.json, which marks a complete model, last): a failed, killed or
+    disk-full training leaves no half-written model, and a retry starts clean."""
+    _check_out(cfg)
+    out = cfg.out
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        result = run(cfg.model_copy(update={"out": partial}))
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
+        if isinstance(e, OSError | RuntimeError) and (
+            getattr(e, "errno", None) == errno.ENOSPC or free < _LOW_DISK
+        ):
+            raise DiskFull(
+                errno.ENOSPC,
+                f"the disk filled up while writing the model under {out.parent} ({e}); "
+                f"{free / 2**20:.0f} MiB are free there and a model of "
+                f"{_model_bytes(cfg.model) / 2**20:.0f} MiB needs at least that much again "
+                f"({'about 4x with' if cfg.save_verl_checkpoint else 'more without'} "
+                "--save-verl-checkpoint). Nothing was kept; free space and re-run",
+            ) from None
+        raise
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(partial.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(entry, out / entry.name)
+    partial.rmdir()
+    result.model_dir, result.metrics_path = out, out / METRICS_FILENAME
+    if result.checkpoint_dir is not None:
+        result.checkpoint_dir = out / result.checkpoint_dir.relative_to(partial)
+    metrics = json.loads(result.metrics_path.read_text())
+    metrics["config"]["out"] = str(out)
+    result.metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return result
+
+
+_LOW_DISK = 64 * 2**20  # below this much free space a failed write is taken for a full disk
+
+
+def _model_bytes(model: str) -> int:
+    return (
+        sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+        if Path(model).is_dir()
+        else 0
+    )
+
+
 def train(
     cfg: TrainConfig,
     on_step: Callable[[StepMetrics, int], None] | None = None,
 ) -> TrainResult:
     """Run offline GRPO as ``cfg`` says; ``on_step(metrics, total_steps)`` after each step."""
-    _check_out(cfg)
+    return _publish(cfg, lambda staged: _train(staged, on_step))
+
+
+def _train(cfg: TrainConfig, on_step) -> TrainResult:
     p = plan(cfg)
     cfg = cfg.model_copy(update={"micro_batch_size": p.micro_batch_size})
     total = p.steps_per_epoch * cfg.epochs
@@ -381,7 +440,10 @@ def train_sft(
     """Supervised fine-tuning on the mask-1 tokens of ``cfg.data`` (rows need no groups), through
     the same verl workers as ``train`` with verl's SFT loss. ``batch_size`` rows go to the workers
     at a time and each ``mini_batch_size`` of them is one optimizer update."""
-    _check_out(cfg)
+    return _publish(cfg, lambda staged: _train_sft(staged, on_step))
+
+
+def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:
     rows, pad_id = load_rows(cfg, groups=False)
     batch, mini, steps_per_epoch = batch_sizes(len(rows), cfg)
     cfg = cfg.model_copy(update={"micro_batch_size": micro_batch(mini, cfg)})
