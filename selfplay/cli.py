@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -68,6 +69,9 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
     )
     if not verbose:  # one INFO line per HTTP request drowns the run's own log
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        # verl announces every optional engine it lacks (megatron, ...) on import: noise here
+        warnings.filterwarnings("ignore", message=r".* engine is not available")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _hf_engine(
@@ -106,6 +110,10 @@ PrefixCacheOption = Annotated[
         help="hf: tokens of finished turns kept as KV cache, so a seat's next turn prefills only "
         "its new tokens (0: off; default: HFEngineConfig's, 65,536).",
     ),
+]
+TopPOption = Annotated[
+    float,
+    typer.Option(max=1.0, help="Nucleus sampling: keep the top tokens of this mass, in (0, 1]."),
 ]
 HealthTimeoutOption = Annotated[
     float,
@@ -174,7 +182,7 @@ def eval_cmd(
     ),
     games_per_scenario: int = typer.Option(1, min=1, help="Games per scenario (needs sampling)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0: greedy, deterministic."),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    top_p: TopPOption = 1.0,
     max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
     baselines: str = typer.Option(
         "cooperative,no-talk,random", help="Scripted baseline rows (comma-separated; '' for none)."
@@ -562,7 +570,7 @@ def generate(
     engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
     health_timeout: HealthTimeoutOption = 900.0,
     temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    top_p: TopPOption = 1.0,
     max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
     max_actions: int = typer.Option(30, envvar="MAX_LENGTH", min=1, help="Actions per game."),
     max_invalid: int = typer.Option(3, min=1, help="Consecutive invalid actions that end a game."),
@@ -773,7 +781,7 @@ def iterate_cmd(
     tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
     mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
     temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    top_p: TopPOption = 1.0,
     max_new_tokens: int = typer.Option(256, min=1),
     max_actions: int = typer.Option(30, envvar="MAX_LENGTH", min=1),
     games_per_scenario: int = typer.Option(4, min=2, help="Games per scenario (a GRPO group)."),

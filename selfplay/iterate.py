@@ -375,7 +375,12 @@ def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
 
 
 def _child_logging(level: int) -> None:
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:  # as the CLI does: verl's notes on engines it lacks are noise
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r".* engine is not available")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _measured(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
