@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
@@ -289,7 +289,13 @@ class Run:
         self.path = config.run_dir / "manifest.json"
         config.run_dir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            self.manifest = Manifest.model_validate(orjson.loads(self.path.read_bytes()))
+            try:
+                self.manifest = Manifest.model_validate(orjson.loads(self.path.read_bytes()))
+            except (orjson.JSONDecodeError, ValidationError) as e:
+                raise IterateError(
+                    f"{self.path} is not a readable run manifest ({str(e).splitlines()[0]}); "
+                    "restore it from a backup, or start another run with --name"
+                ) from None
             self._check_same(force)
         else:
             self.manifest = Manifest(

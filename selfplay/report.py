@@ -33,7 +33,13 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ReportError(f"{path} does not exist: run `selfplay iterate` for this run first")
-    rows = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    try:
+        rows = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    except orjson.JSONDecodeError as e:
+        raise ReportError(
+            f"{path} has a corrupt line ({e}); it is rewritten from the manifest by re-running "
+            "the run's `selfplay iterate` command"
+        ) from None
     if not rows:
         raise ReportError(f"{path} has no finished round yet")
     return sorted(rows, key=lambda r: r["round"])

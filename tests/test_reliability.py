@@ -198,3 +198,17 @@ def test_a_run_resumes_by_absolute_path_and_from_another_folder(tmp_path, monkey
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     Run(cfg("../data"))
+
+
+def test_a_corrupt_manifest_or_metrics_file_is_one_clear_line(tmp_path, tiny_model):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "manifest.json").write_text("{not json")
+    res = CliRunner().invoke(
+        app, ["iterate", "--name", "run", "--data-root", str(tmp_path), "--model", str(tiny_model)]
+    )
+    assert res.exit_code == 1 and "is not a readable run manifest" in res.output
+    assert "Traceback" not in res.output
+    (run / "metrics.jsonl").write_text('{"round": 0}\n{torn')
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 1 and "has a corrupt line" in res.output
