@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.evaluate import evaluate_scripted, play_scripted
 from selfplay.game import generate_scenario, parse_proposal
+from selfplay.game.matching import PAPERS_SHORT, REVIEWERS, mentions
 from selfplay.game.prompts import intro
 from selfplay.players.scripted import (
     Shy,
@@ -218,3 +219,27 @@ def test_eval_cli_rejects_unknown_player():
     result = CliRunner().invoke(app, ["eval", "--players", "cooperative,greedy"])
     assert result.exit_code == 1
     assert "--players must be two of" in result.output
+
+
+def test_inquisitive_asks_the_shy_partner_and_scores_far_above_cooperative():
+    inq = evaluate_scripted(("inquisitive", "shy"), num_games=60, seed=7, n=3)
+    coop = evaluate_scripted(("cooperative", "shy"), num_games=60, seed=7, n=3)
+    assert inq["direct_questions_per_game"] >= 2 and coop["direct_questions_per_game"] == 0
+    assert inq["reward_mean"] >= 0.8 > 0.5 > coop["reward_mean"]
+    assert inq["invalid_action_rate"] == 0.0
+
+
+def test_inquisitive_questions_name_one_cell_it_does_not_know_and_it_answers_questions():
+    player = make_scripted("inquisitive", SCENARIO, 0)
+    first = _act(player, intro(SCENARIO, 0))
+    assert first.startswith("[message] What is the score for ")
+    reviewers, papers = mentions(first, 8)
+    assert len(reviewers) == len(papers) == 1  # what the shy partner answers
+    (r,), (p,) = reviewers, papers
+    assert SCENARIO.view(0)[r][p] is not None  # the first: a known cell, to learn the scale ratio
+    second = _act(player, f"Partner: [message] {REVIEWERS[r]} on {PAPERS_SHORT[p]}: 7.")
+    (r2,), (p2,) = mentions(second, 8)
+    assert SCENARIO.view(0)[r2][p2] is None  # then cells it does not know
+    asked = f"Partner: [message] What is the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}?"
+    reply = _act(player, asked)
+    assert f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}: {SCENARIO.view(0)[r][p]}." in reply

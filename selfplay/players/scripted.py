@@ -10,6 +10,11 @@ plays a fixed policy:
 - ``shy``: never volunteers; answers only a direct question naming one reviewer and one paper with
   its own scaled value; judges proposals honestly by its own view.
 - ``random``: proposes a random valid assignment; accepts or rejects at random.
+- ``inquisitive``: asks its partner direct questions (one reviewer, one paper) about the cells it
+  does not know that could change the best assignment (after one question on a cell it knows, to
+  learn the ratio of the two scales), then proposes the best assignment under what it learned, and
+  judges proposals honestly like ``cooperative``. The upper reference against ``shy``, which
+  answers only such questions.
 
 Partner values come in the partner's scale: the cooperative player estimates the ratio of the
 two scales from cells both know (or from the means when none overlap) before merging.
@@ -36,8 +41,8 @@ from selfplay.game.matching import (
 from selfplay.metrics import is_question
 from selfplay.records import SeatConfig, SeatTokens
 
-ScriptedName = Literal["cooperative", "no-talk", "shy", "random"]
-SCRIPTED_NAMES: tuple[str, ...] = ("cooperative", "no-talk", "shy", "random")
+ScriptedName = Literal["cooperative", "no-talk", "shy", "random", "inquisitive"]
+SCRIPTED_NAMES: tuple[str, ...] = ("cooperative", "no-talk", "shy", "random", "inquisitive")
 
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
 _CHOICES = "You can output one of these choices"
@@ -253,6 +258,130 @@ class RandomPlayer(ScriptedPlayer):
         return self.propose([(int(r), p) for p, r in enumerate(perm)])
 
 
+_ANSWER = re.compile(r"([A-Za-z]+(?: [A-Za-z]+)?) on ([A-Za-z0-9-]+): (\d+)")
+_QUESTION = re.compile(r"score for ([A-Za-z]+(?: [A-Za-z]+)?) on ([A-Za-z0-9-]+)\?")
+
+
+class Inquisitive(Cooperative):
+    """Asks about the cells that could change the best assignment, then proposes.
+
+    Each question is worth it only if the cell could enter the best assignment: with the unknown
+    cell at a high plausible value (the 90th percentile of the seat's known values) the best
+    assignment must change and gain. Cells are asked in order of that gain, re-ranked after
+    every answer, at most ``max_questions`` (two actions each: question and answer). Answers
+    come in the partner's scale; the first question is about a cell this seat knows (its largest)
+    so the ratio of the scales can be estimated, as ``Cooperative.merged`` does.
+    """
+
+    name = "inquisitive"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, max_questions=None):
+        super().__init__(scenario, seat, seed)
+        # 30 actions per game: keep room for proposing and answering a proposal or two
+        self.max_questions = max_questions if max_questions is not None else min(12, 2 * self.n)
+        self.asked: set[tuple[int, int]] = set()
+        self.next_row = self.n  # never volunteers its table
+        self.questions: list[tuple[int, int]] = []  # the partner's, to answer in our next message
+        self.proposed: Pairs | None = None
+        self.rejected: list[Pairs] = []
+
+    def observe(self, kind: str, body: str) -> None:
+        if kind == "reject" and self.proposed is not None:
+            self.rejected.append(self.proposed)
+        if kind != "message":
+            return
+        self.partner_spoke = True
+        for name, paper, value in _ANSWER.findall(body):
+            cell = self._cell(name, paper)
+            if cell is not None:
+                self.partner_values[cell] = int(value)
+        for name, paper in _QUESTION.findall(body):
+            cell = self._cell(name, paper)
+            if cell is not None:
+                self.questions.append(cell)
+
+    def _cell(self, name: str, paper: str) -> tuple[int, int] | None:
+        r, p = _index(REVIEWERS[: self.n], name), _index(PAPERS_SHORT[: self.n], paper)
+        return None if r is None or p is None else (r, p)
+
+    def _answers(self) -> str:
+        """Honest answers to the partner's direct questions, in the form it parses."""
+        parts = []
+        for r, p in self.questions:
+            value = self.view[r][p]
+            cell = f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}"
+            parts.append(f"I don't know {cell}." if value is None else f"{cell}: {value}.")
+        self.questions = []
+        return " ".join(parts)
+
+    def _calibrated(self) -> bool:
+        return any(self.view[r][p] is not None for r, p in self.partner_values)
+
+    def question(self) -> tuple[int, int] | None:
+        """The next cell to ask about, or None when nothing worth asking is left."""
+        if len(self.asked) >= self.max_questions:
+            return None
+        own = [(r, p) for r in range(self.n) for p in range(self.n) if self.view[r][p] is not None]
+        if own and not self._calibrated() and len(self.asked) < 3:
+            # a cell both may know, to relate the partner's numbers to ours: the largest first
+            order = sorted(own, key=lambda c: -self.view[c[0]][c[1]])
+            tries = [c for c in order if c not in self.asked]
+            if tries:
+                return tries[0]
+        estimate = self.merged()
+        known = np.array([v for row in self.view for v in row if v is not None], dtype=float)
+        high = float(np.percentile(known, 90)) if known.size else float(np.nanmax(estimate))
+        base = best_assignment(estimate)[1]
+        best_gain, best_cell = 0.0, None
+        for r in range(self.n):
+            for p in range(self.n):
+                cell = (r, p)
+                if self.view[r][p] is not None or cell in self.partner_values or cell in self.asked:
+                    continue
+                trial = estimate.copy()
+                trial[r, p] = max(high, trial[r, p])
+                pairs, value = best_assignment(trial)
+                if cell in pairs and value - base > best_gain:
+                    best_gain, best_cell = value - base, cell
+        return best_cell
+
+    def best_untried(self, estimate: np.ndarray) -> Pairs:
+        """The best assignment the partner has not rejected (each rejected one's next best: the
+        best with one of its pairs forbidden)."""
+        best = best_assignment(estimate)[0]
+        if best not in self.rejected:
+            return best
+        options = []
+        for rejected in self.rejected:
+            for r, p in rejected:
+                trial = estimate.copy()
+                trial[r, p] = -1e9
+                pairs, value = best_assignment(trial)
+                if pairs not in self.rejected:
+                    options.append((value, pairs))
+        return max(options)[1] if options else best
+
+    def decide(self) -> str:
+        if self.pending is not None:
+            return super().decide()
+        answers = self._answers()
+        cell = self.question()
+        if cell is not None:
+            self.asked.add(cell)
+            r, p = cell
+            ask = f"What is the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}?"
+            return f"[message] {answers} {ask}".replace("  ", " ").replace("] ", "] ", 1)
+        if answers:
+            return f"[message] {answers}"
+        self.proposed = self.best_untried(self.merged())
+        return self.propose(self.proposed)
+
+
+def _index(names, text: str) -> int | None:
+    folded = text.strip().casefold()
+    return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
+
+
 def make_scripted(name: str, scenario: Scenario, seat: int, seed: int = 0) -> ScriptedPlayer:
     """Build a scripted player by name (one of SCRIPTED_NAMES)."""
     match name:
@@ -264,6 +393,8 @@ def make_scripted(name: str, scenario: Scenario, seat: int, seed: int = 0) -> Sc
             return Shy(scenario, seat, seed)
         case "random":
             return RandomPlayer(scenario, seat, seed)
+        case "inquisitive":
+            return Inquisitive(scenario, seat, seed)
         case _:
             raise ValueError(
                 f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
