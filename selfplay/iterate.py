@@ -663,7 +663,10 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             options = cfg.train.model_dump(exclude={"updates_per_round"})
             if options["mini_batch_size"] is None and options["batch_size"] is None:
                 rows = rnd.stages["convert"].info.get("rows_train", 0)
-                options["mini_batch_size"] = max(1, rows // cfg.train.updates_per_round)
+                micro = cfg.train.micro_batch_size
+                # whole micro-batches per update (a mini-batch of 5 would force micro-batches of 1)
+                per_update = rows // cfg.train.updates_per_round
+                options["mini_batch_size"] = max(min(micro, rows), per_update // micro * micro)
             tcfg = TrainConfig(
                 data=Path(rnd.stages["convert"].artifacts["train"]),
                 model=model,
