@@ -333,6 +333,12 @@ def _eval_models(
                 f"cross-play {label}: self {cp.self_play[label]:.3f}, gap "
                 + ("–" if gap is None else f"{gap:+.3f}")
             )
+    from selfplay.model_card import provenance
+
+    for r in result.rows:
+        origin = provenance(r.model) if r.kind == "model" and r.model else None
+        if origin:
+            console.print(f"{r.name}: {origin}")
     for msg in result.errors.values():
         console.print(f"[bold red]error:[/] {msg}")
     console.print(f"wrote {json_path}, " + ", ".join(str(p) for p in files.values()))

@@ -485,6 +485,9 @@ def warm_start(run: Run) -> str:
         _hold(cfg.run_dir, "warm_start")
         log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
         info, rss = isolated(_warm_start_sft, cfg)
+        from selfplay.model_card import annotate
+
+        annotate(out, name=f"{cfg.name} (warm start)")
         run.manifest.warm_start = StageRecord(
             finished_at=time.time(),
             seconds=time.time() - started,
@@ -547,6 +550,20 @@ def heldout(run: Run, k: int, model: str) -> None:
         held[k] = result
         if base:
             run.manifest.baselines = base
+        from selfplay.model_card import add_heldout
+
+        add_heldout(
+            model,
+            {
+                "scenarios": cfg.eval_scenarios,
+                "table_size": cfg.table_size,
+                "eval_seed": cfg.eval_seed,
+                "partner": cfg.partner,
+                **result.model_dump(
+                    include={"reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate"}
+                ),
+            },
+        )
         log.info(
             "held-out after %d round(s): reward %.3f [%.3f, %.3f], agreement %.2f",
             k,
@@ -678,6 +695,9 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             )
             log.info("round %d: training on %s", k, tcfg.data)
             result, rss = isolated(_train, tcfg)
+            from selfplay.model_card import annotate
+
+            annotate(out, name=cfg.name, round=k)
             run.finish(
                 k,
                 "train",

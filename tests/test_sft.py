@@ -126,3 +126,31 @@ def test_filtered_games_keep_only_rewarding_games(teacher_rows, tiny_model, tmp_
     kept = pq.read_table(path).column("reward").to_pylist()
     assert kept and min(kept) >= cut - 1e-6
     assert len(kept) == 2 * sum(r >= cut for r in rewards)
+
+
+@pytest.mark.slow
+def test_a_trained_checkpoint_carries_a_model_card(tiny_model, tmp_path):
+    from selfplay.model_card import add_heldout, provenance, read_card
+
+    out = tmp_path / "carded"
+    result = CliRunner().invoke(
+        app,
+        [
+            "sft", "--out", str(out), "--model", str(tiny_model),
+            "--teacher", "scripted:cooperative", "--num-games", "4",
+            "--mini-batch-size", "4", "--micro-batch-size", "2",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    meta = read_card(out)
+    assert meta["base_model"] == str(tiny_model) and "selfplay" in meta["tags"]
+    info = meta["selfplay"]
+    assert info["algorithm"] == "sft" and info["data"]["rows"] == 8
+    assert info["data"]["path"].endswith("rows.parquet") and info["settings"]["lr"] == 1e-4
+    assert info["version"] and info["heldout"] == []
+    held = {"scenarios": 3, "table_size": 3, "eval_seed": 7, "reward_mean": 0.5}
+    held |= {"reward_ci_low": 0.1, "reward_ci_high": 0.9, "agreement_rate": 1.0}
+    assert add_heldout(out, held)
+    assert read_card(out)["selfplay"]["heldout"] == [held]
+    assert "reward 0.500 [0.100, 0.900]" in (out / "README.md").read_text()
+    assert provenance(out).startswith(f"sft from {tiny_model}, on 8 rows of ")

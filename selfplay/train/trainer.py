@@ -384,7 +384,8 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
         _save(workers, cfg, step, result)
     finally:
         workers.close()
-    _export(cfg, result, [asdict(s) for s in result.steps])
+    signal = len(np.unique(p.rows.group_ids[p.advantages != 0]))
+    _export(cfg, result, [asdict(s) for s in result.steps], groups_with_signal=signal)
     return result
 
 
@@ -410,6 +411,24 @@ def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -
             indent=2,
         )
         + "\n"
+    )
+    from selfplay.model_card import write_card
+
+    settings = cfg.model_dump(
+        mode="json",
+        include={"epochs", "lr", "batch_size", "mini_batch_size", "loss_agg", "kl_coef"}
+        | {"clip_ratio", "entropy_coef", "rollout_is", "std_norm", "seed", "dtype"},
+    )
+    write_card(
+        cfg.out,
+        base_model=cfg.model,
+        algorithm=extra.get("algorithm", "grpo"),
+        data={
+            "path": str(cfg.data),
+            "rows": result.rows,
+            "groups_with_signal": extra.get("groups_with_signal"),
+        },
+        settings={**settings, "updates": result.updates},
     )
 
 
