@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from selfplay.errors import UserError
+from selfplay.tracking import flat
 
 
 class _App(typer.Typer):
@@ -111,6 +113,14 @@ PrefixCacheOption = Annotated[
         "its new tokens (0: off; default: HFEngineConfig's, 65,536).",
     ),
 ]
+LoggerOption = Annotated[
+    str,
+    typer.Option(
+        "--logger",
+        help="Experiment trackers, comma-separated, as verl names them: console, tensorboard, "
+        "wandb, mlflow (swanlab, trackio where installed). WANDB_MODE=offline works offline.",
+    ),
+]
 TopPOption = Annotated[
     float,
     typer.Option(max=1.0, help="Nucleus sampling: keep the top tokens of this mass, in (0, 1]."),
@@ -127,6 +137,24 @@ PartnerKeyEnvOption = Annotated[
     str,
     typer.Option(help="openai partner: NAME of the environment variable with the key."),
 ]
+
+
+def _tracker(logger: str, out: Path, config: dict):
+    """The trackers of --logger for a train/sft output folder (files beside it, not in it)."""
+    from selfplay.tracking import open_tracker, parse_loggers
+
+    try:
+        loggers = parse_loggers(logger)
+    except ValueError as e:
+        raise fail(f"--logger: {e}") from None
+    out = Path(out).resolve()
+    return open_tracker(
+        loggers,
+        project="selfplay",
+        name=out.name,
+        run_dir=out.parent / "tracking" / out.name,
+        config=config,
+    )
 
 
 def default_data_dir() -> Path:
@@ -424,6 +452,7 @@ def train(
     nodes: int = typer.Option(1, help="Nodes of that Ray cluster."),
     seed: int = typer.Option(0, help="Seed for shuffling and the engine."),
     resume_from: Path | None = typer.Option(None, help="verl checkpoint dir to resume from."),
+    logger: LoggerOption = "",
 ) -> None:
     """Offline GRPO with verl on converted rows; writes a Hugging Face model directory."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -482,11 +511,14 @@ def train(
                 f"clip {m.clip_frac:.3f} {m.tokens_per_s:.0f} tok/s"
             )
             progress.update(task, completed=m.step, total=total, info=info)
+            if tracker is not None:
+                tracker.log(flat("train", asdict(m)), step=m.step)
 
-        try:
-            result = run_training(cfg, on_step=on_step)
-        except (TrainDataError, FileExistsError, FileNotFoundError, RuntimeError) as e:
-            raise fail(str(e)) from None
+        with _tracker(logger, cfg.out, cfg.model_dump(mode="json")) as tracker:
+            try:
+                result = run_training(cfg, on_step=on_step)
+            except (TrainDataError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+                raise fail(str(e)) from None
     console.print(f"model: {result.model_dir}  metrics: {result.metrics_path}")
     if result.checkpoint_dir is not None:
         console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
@@ -521,6 +553,7 @@ def sft_cmd(
     max_length: int = typer.Option(4096, min=2, help="Rows with more tokens are left out."),
     gpus: int = typer.Option(0, min=0, help="GPUs per node (0: CPU, in-process)."),
     seed: int = typer.Option(0, min=0, help="Seed of the teacher's scenarios and the shuffling."),
+    logger: LoggerOption = "",
 ) -> None:
     """Behaviour cloning: fine-tune on token-exact teacher rows with verl's SFT loss."""
     from selfplay.models import resolve_model
@@ -555,11 +588,14 @@ def sft_cmd(
             f"sft update {m.step}/{total}: loss {m.loss:.4f} grad {m.grad_norm:.3f} "
             f"{m.tokens_per_s:.0f} tok/s"
         )
+        if tracker is not None:
+            tracker.log(flat("sft", asdict(m)), step=m.step)
 
-    try:
-        result = sft(cfg, on_step=on_step)
-    except (SFTError, TrainDataError, FileExistsError, RuntimeError) as e:
-        raise fail(str(e)) from None
+    with _tracker(logger, cfg.out, cfg.model_dump(mode="json")) as tracker:
+        try:
+            result = sft(cfg, on_step=on_step)
+        except (SFTError, TrainDataError, FileExistsError, RuntimeError) as e:
+            raise fail(str(e)) from None
     console.print(f"{result.rows} rows {result.sources}; model: {result.model_dir}")
 
 
@@ -846,6 +882,7 @@ def iterate_cmd(
         30, min=0, help="Held-out scenarios each round's model plays greedily (0: none)."
     ),
     eval_seed: int = typer.Option(7, min=0, help="Picks the held-out scenarios."),
+    logger: LoggerOption = "",
     force: bool = typer.Option(False, help="Resume even though the options changed."),
     report: bool = typer.Option(True, help="Write the run report at the end."),
 ) -> None:
@@ -921,6 +958,7 @@ def iterate_cmd(
             warm_start_mini_batch_size=warm_start_mini_batch_size,
             eval_scenarios=eval_scenarios,
             eval_seed=eval_seed,
+            loggers=tuple(x for x in logger.split(",") if x.strip()),
         )
     except ValidationError as e:
         raise bad_option(e) from None

@@ -130,6 +130,15 @@ class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
     # held-out evaluation of every round's model (greedy; 0 scenarios: none)
     eval_scenarios: int = Field(30, ge=0)
     eval_seed: int = Field(7, ge=0)
+    # experiment trackers (verl's names: console, tensorboard, wandb, mlflow, ...)
+    loggers: tuple[str, ...] = ()
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from selfplay.tracking import parse_loggers
+
+        return parse_loggers(",".join(v))
 
     @field_validator("warm_start")
     @classmethod
@@ -158,7 +167,7 @@ class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
 
 
 # Options a resume may change: more rounds, a higher partner call cap, another key variable.
-RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env")
+RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env", "loggers")
 # Options added after the first runs, with the value those runs had: a manifest written before
 # them still resumes when they are left at it.
 ADDED_LATER = {
@@ -211,6 +220,7 @@ class RoundRecord(BaseModel):
     model: str  # the model this round generates with
     stages: dict[str, StageRecord] = {}
     metrics: dict[str, Any] | None = None
+    tracked: bool = False  # sent to the experiment trackers
 
 
 class HeldOut(BaseModel):
@@ -245,6 +255,7 @@ class Manifest(BaseModel):
     heldout: dict[int, HeldOut] = {}
     baselines: dict[str, HeldOut] = {}  # scripted pairs on the same held-out scenarios
     rounds: dict[int, RoundRecord] = {}
+    tracker_step: int = 0  # the last step sent to the experiment trackers (steps only grow)
 
 
 def package_versions() -> dict[str, str]:
@@ -743,6 +754,53 @@ def _train_info(steps) -> dict[str, float]:
     }
 
 
+ROUND_KEYS = (
+    "games",
+    "reward_mean",
+    "reward_ci_low",
+    "reward_ci_high",
+    "agreement_rate",
+    "invalid_action_rate",
+    "mean_actions",
+    "questions_per_game",
+    "direct_questions_per_game",
+    "general_questions_per_game",
+)
+HELDOUT_KEYS = (
+    "reward_mean",
+    "reward_ci_low",
+    "reward_ci_high",
+    "agreement_rate",
+    "invalid_action_rate",
+    "questions_per_game",
+    "direct_questions_per_game",
+)
+
+
+def track_round(run: Run, tracker: Any, k: int) -> None:
+    """Send round ``k`` (its training steps, then its metrics) to the trackers, once."""
+    from selfplay.tracking import flat
+
+    rnd = run.manifest.rounds[k]
+    if rnd.tracked or rnd.metrics is None:
+        return
+    metrics_path = rnd.stages["train"].artifacts.get("metrics")
+    if metrics_path and Path(metrics_path).exists():
+        for step in orjson.loads(Path(metrics_path).read_bytes())["steps"]:
+            run.manifest.tracker_step += 1
+            tracker.log(flat("train", {**step, "round": k}), step=run.manifest.tracker_step)
+    m = rnd.metrics
+    values = {key: m.get(key) for key in ROUND_KEYS}
+    for key, j in (("heldout_before", k), ("heldout", k + 1)):  # the round's start and result
+        if (h := run.manifest.heldout.get(j)) is not None:
+            values[key] = h.model_dump(include=set(HELDOUT_KEYS))
+    values["trained"] = 0.0 if m.get("skip_reason") else 1.0
+    run.manifest.tracker_step += 1
+    tracker.log(flat("round", {**values, "round": k}), step=run.manifest.tracker_step)
+    rnd.tracked = True
+    run.save()
+
+
 def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
     """The metrics.jsonl line of a finished round: game statistics, training, stage times."""
     summary = summarize(iter_game_records(games))
@@ -793,9 +851,20 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
         run.manifest.baselines = run.manifest.baselines or base
         run.save()
     model = warm_start(run)
-    for k in range(config.iterations):
-        heldout(run, k, model)
-        model = run_round(run, k, model, generate)
-    heldout(run, config.iterations, model)
+    from selfplay.tracking import open_tracker
+
+    with open_tracker(
+        config.loggers,
+        project="selfplay",
+        name=config.name,
+        run_dir=config.run_dir,
+        config=config.model_dump(mode="json"),
+    ) as tracker:
+        for k in range(config.iterations):
+            heldout(run, k, model)
+            model = run_round(run, k, model, generate)
+            heldout(run, k + 1, model)
+            if tracker is not None:
+                track_round(run, tracker, k)
     log.info("run %s: %d round(s) done; latest model %s", config.name, config.iterations, model)
     return run

@@ -52,6 +52,7 @@ def _body(meta: dict[str, Any]) -> str:
         f"- settings: {', '.join(f'{k}={v}' for k, v in info['settings'].items())}",
         f"- selfplay {info['version']}, commit {info.get('git_commit')}",
     ]
+
     def f(x) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 

@@ -47,13 +47,14 @@ def _cmd(root: Path, model: Path, name: str) -> list[str]:
         # which games share a padded batch (that moves logits ~1e-6 and can flip a rare token)
         "--concurrency", "1",
         "--eval-scenarios", "3",
+        "--logger", "tensorboard,wandb",
         "--no-report",
     ]  # fmt: skip
 
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SELFPLAY_HOLD")}
-    return {**env, "TOKENIZERS_PARALLELISM": "false", **extra}
+    return {**env, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", **extra}
 
 
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -259,3 +260,57 @@ def test_changed_config_is_a_clear_error_and_more_iterations_extend(reference_ru
     before = (reference_run / "data" / "ref" / "manifest.json").read_bytes()
     _run(cmd)
     assert (reference_run / "data" / "ref" / "manifest.json").read_bytes() == before
+
+
+def _wandb_history(path: Path) -> list[dict]:
+    """The history rows of a wandb offline run file (a leveldb-style log of protobuf records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, buf, rows = path.read_bytes(), 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk  # full / first, or middle / last
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                        for i in rec.history.item
+                    }
+                )
+            buf = b""
+    return rows
+
+
+def test_trackers_get_training_steps_and_round_metrics(reference_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = reference_run / "data" / "ref"
+    manifest = json.loads((run / "manifest.json").read_text())
+    steps = sum(r["stages"]["train"]["info"]["steps"] for r in manifest["rounds"].values())
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("train/pg_loss", "train/grad_norm", "train/tokens_per_s", "round/reward_mean",
+                "round/heldout/reward_mean", "round/agreement_rate"):  # fmt: skip
+        assert tag in tags, tag
+    assert len(events.Scalars("train/pg_loss")) == steps
+    assert [e.value for e in events.Scalars("round/round")] == [0.0, 1.0]
+    held = [e.value for e in events.Scalars("round/heldout/reward_mean")]
+    assert held == pytest.approx([manifest["heldout"][k]["reward_mean"] for k in ("1", "2")])
+    # one run id, however many sessions (a re-run of the finished command adds an empty one)
+    files = sorted(run.glob("wandb/offline-run-*/run-selfplay-*.wandb"))
+    assert files and len({f.name for f in files}) == 1
+    rows = [row for f in files for row in _wandb_history(f)]
+    assert [r["_step"] for r in rows] == list(range(1, steps + 3))  # steps only grow
+    assert sum("round/reward_mean" in r for r in rows) == 2
+    assert manifest["tracker_step"] == steps + 2
