@@ -509,3 +509,56 @@ def test_openai_gives_up_after_retries():
 
     with pytest.raises(EngineFailure, match="failed 2 times"):
         run(go())
+
+
+def _serve(args: list[str]) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, *args, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return f"http://127.0.0.1:{port}", proc
+
+
+def test_a_router_in_front_of_two_workers_serves_and_reloads_both(tiny_model, hf, tmp_path):
+    """Scale-out: one URL (a router) in front of two SGLang servers. Generation goes through the
+    router to both; a weight reload is sent to every worker the router lists."""
+    procs = []
+    try:
+        workers = []
+        for _ in range(2):
+            url, proc = _serve([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)])
+            procs.append(proc)
+            wait_healthy(url, proc)
+            workers.append(url)
+        router, proc = _serve([str(TESTS / "router_standin.py"), "--workers", ",".join(workers)])
+        procs.append(proc)
+        wait_healthy(router, proc)
+        ids = prompt(hf, "hello there")
+        stops = (hf.tokenizer.eos_token_id,)
+        reqs = [
+            GenerationRequest(ids, max_new_tokens=8, temperature=0.7, seed=s, stop_token_ids=stops)
+            for s in range(4)
+        ]
+        engine = attach(router, str(tiny_model))
+        new = str(tmp_path / "round_1")
+
+        async def go():
+            await engine.start()
+            assert await engine.worker_urls() == workers
+            await engine.update_weights_from_disk(new)
+            return await gather_close(engine, reqs)
+
+        remote = run(go())
+        local = run(gather_close(fresh(hf), reqs))
+        assert [r.token_ids for r in remote] == [r.token_ids for r in local]
+        routed = httpx.get(f"{router}/routed").json()
+        assert all(n >= 2 for n in routed.values())  # both workers served (probe + requests)
+        for w in workers:  # the reload reached each worker
+            assert httpx.get(f"{w}/model_info").json()["model_path"] == new
+        assert engine.name == new
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -310,16 +310,50 @@ class SGLangEngine:
             meta={"finish_reason": finish, "cached_tokens": meta.get("cached_tokens")},
         )
 
+    async def worker_urls(self) -> list[str]:
+        """The servers behind this URL: a router's workers (sglang-router's ``/list_workers``
+        or the gateway's ``/workers``), else just this server."""
+        assert self._client is not None
+        for path in ("/list_workers", "/workers"):
+            try:
+                r = await self._client.get(path, timeout=10.0)
+            except _RETRYABLE:
+                continue
+            if r.status_code != 200:
+                continue
+            try:
+                data = r.json()
+            except ValueError:
+                continue
+            found = data.get("urls") if isinstance(data, dict) else None
+            if found is None and isinstance(data, dict):
+                found = [w.get("url") for w in data.get("workers", []) if isinstance(w, dict)]
+            urls = [u.rstrip("/") for u in found or [] if isinstance(u, str) and u]
+            if urls:
+                return urls
+        return [self.url]
+
     async def update_weights_from_disk(self, model_path: str) -> None:
-        """Load new weights (same architecture) into the running server."""
+        """Load new weights (same architecture) into the running server, or into every worker
+        when the URL is a router in front of several servers (each is told directly)."""
         if self._client is None:
             raise EngineFailure("SGLangEngine.start() was not awaited")
-        r = await self._client.post(
-            "/update_weights_from_disk", json={"model_path": model_path, "flush_cache": True}
-        )
-        data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-        if r.status_code != 200 or not data.get("success", False):
-            raise EngineFailure(f"SGLang could not load weights from {model_path}: {r.text[:500]}")
+        urls = await self.worker_urls()
+        body = {"model_path": model_path, "flush_cache": True}
+        async with httpx.AsyncClient(timeout=self.config.request_timeout_s) as client:
+            answers = await asyncio.gather(
+                *(client.post(f"{u}/update_weights_from_disk", json=body) for u in urls),
+                return_exceptions=True,
+            )
+        for url, r in zip(urls, answers):
+            if isinstance(r, BaseException):
+                raise EngineFailure(f"SGLang worker {url} could not be reached for the reload: {r}")
+            ok = r.headers.get("content-type", "").startswith("application/json")
+            if r.status_code != 200 or not (ok and r.json().get("success", False)):
+                raise EngineFailure(
+                    f"SGLang worker {url} could not load weights from {model_path}: {r.text[:500]}"
+                )
+        log.info("reloaded %s into %d SGLang server(s): %s", model_path, len(urls), ", ".join(urls))
         self.name = model_path
 
 
