@@ -113,6 +113,14 @@ PrefixCacheOption = Annotated[
         "its new tokens (0: off; default: HFEngineConfig's, 65,536).",
     ),
 ]
+LossAggOption = Annotated[
+    str,
+    typer.Option(
+        help="How the GRPO loss averages tokens (verl's loss_agg_mode): token-mean (long rows "
+        "weigh more), seq-mean-token-mean (every row weighs the same), token-sum, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm.",
+    ),
+]
 LoggerOption = Annotated[
     str,
     typer.Option(
@@ -437,11 +445,7 @@ def train(
     micro_batch_size: int = typer.Option(
         4, envvar="MICRO_BATCH_SIZE", help="Rows per forward/backward per device."
     ),
-    loss_agg: str = typer.Option(
-        "token-mean",
-        help="token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
-        "seq-mean-token-sum-norm.",
-    ),
+    loss_agg: LossAggOption = "token-mean",
     std_norm: bool = typer.Option(True, "--std-norm/--no-std-norm", help="GRPO std division."),
     kl_coef: float = typer.Option(0.0, help="KL loss weight against the starting model."),
     rollout_is: str = typer.Option(
@@ -861,6 +865,7 @@ def iterate_cmd(
     micro_batch_size: int = typer.Option(4, envvar="MICRO_BATCH_SIZE"),
     kl_coef: float = typer.Option(0.0),
     entropy_coef: float = typer.Option(0.0, min=0.0, help="Entropy bonus in the GRPO loss."),
+    loss_agg: LossAggOption = "token-mean",
     dtype: str | None = typer.Option(
         None, help="Training compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."
     ),
@@ -948,6 +953,7 @@ def iterate_cmd(
                 micro_batch_size=micro_batch_size,
                 kl_coef=kl_coef,
                 entropy_coef=entropy_coef,
+                loss_agg=loss_agg,
                 dtype=dtype,
                 gpus=gpus,
                 save_verl_checkpoint=save_verl_checkpoint,

@@ -46,7 +46,7 @@ from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
 from selfplay.metrics import summarize
 from selfplay.records import SamplingParams, iter_game_records
-from selfplay.train.config import TrainConfig
+from selfplay.train.config import LossAgg, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class TrainOptions(BaseModel):
     # without a mini-batch size, a round's rows are split into this many optimizer updates
     updates_per_round: int = Field(4, ge=1)
     micro_batch_size: int = Field(4, ge=1)
-    loss_agg: str = "token-mean"
+    loss_agg: LossAgg = "token-mean"
     std_norm: bool = True
     kl_coef: float = Field(0.0, ge=0.0)
     entropy_coef: float = Field(0.0, ge=0.0)
