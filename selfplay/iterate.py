@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import platform
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -45,6 +44,7 @@ from selfplay.errors import UserError
 from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
 from selfplay.metrics import summarize
+from selfplay.model_card import git_commit
 from selfplay.records import SamplingParams, iter_game_records
 from selfplay.train.config import LossAgg, TrainConfig
 
@@ -266,21 +266,6 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return out
-
-
-def git_commit() -> str | None:
-    try:
-        res = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return res.stdout.strip() or None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

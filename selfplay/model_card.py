@@ -19,7 +19,8 @@ import yaml
 CARD = "README.md"
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The commit of the selfplay checkout this runs from (None outside a git checkout)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -99,7 +100,7 @@ def write_card(
             "data": data,
             "settings": settings,
             "version": __version__,
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "heldout": [],
         },
     }
