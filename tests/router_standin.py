@@ -8,7 +8,6 @@ reach every worker itself. ``GET /routed`` (a test hook) counts the requests sen
     python router_standin.py --port P --workers http://127.0.0.1:A,http://127.0.0.1:B
 """
 
-
 import argparse
 import itertools
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -165,6 +167,7 @@ def test_cli_trains_with_kl_and_tis(tmp_path, tiny_model):
             specs.append((g, [5 + g, 6, 7], [20 + k, 21, 22, 23], [1, 0, 1, 1], float(k % 2)))
     data = write_rows(tmp_path / "train.parquet", make_rows(specs, fingerprint=fp, logprob=-5.9))
     out = tmp_path / "ckpt"
+    locks = set(Path(tempfile.gettempdir()).glob("ckpt_*.lock"))
     res = CliRunner().invoke(
         cli.app,
         [
@@ -189,6 +192,8 @@ def test_cli_trains_with_kl_and_tis(tmp_path, tiny_model):
         env={"TRAIN_BATCH_SIZE": "8", "MICRO_BATCH_SIZE": "2"},
     )
     assert res.exit_code == 0, res.output
+    # verl's checkpoint lock files went to a private temporary folder, removed afterwards
+    assert set(Path(tempfile.gettempdir()).glob("ckpt_*.lock")) <= locks
     metrics = json.loads((out / "metrics.json").read_text())
     steps = metrics["steps"]
     assert len(steps) == 2 * 2  # 12 rows -> one batch of 8 and one of 4, per epoch

@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -261,7 +263,8 @@ def _publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> Tra
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        result = run(cfg.model_copy(update={"out": partial}))
+        with _scratch_tempdir():
+            result = run(cfg.model_copy(update={"out": partial}))
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
@@ -288,6 +291,19 @@ def _publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> Tra
     metrics["config"]["out"] = str(out)
     result.metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     return result
+
+
+@contextlib.contextmanager
+def _scratch_tempdir() -> Iterator[None]:
+    """A private temporary folder for this process while it trains, removed afterwards: verl
+    leaves a lock file in the temporary folder for every checkpoint directory it creates."""
+    scratch = tempfile.mkdtemp(prefix="selfplay-train-")
+    before, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 _LOW_DISK = 64 * 2**20  # below this much free space a failed write is taken for a full disk
