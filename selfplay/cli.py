@@ -993,9 +993,13 @@ def iterate_cmd(
         line += f", {len(skipped)} skipped ({'; '.join(sorted(set(skipped)))})"
     if held:
         first, last = held[min(held)], held[max(held)]
+        initial = run.manifest.heldout_initial
+        line += "; held-out reward " + (
+            f"{initial.reward_mean:.3f} before the warm start, " if initial else ""
+        )
         line += (
-            f"; held-out reward {first.reward_mean:.3f} -> {last.reward_mean:.3f} "
-            f"[{last.reward_ci_low:.3f}, {last.reward_ci_high:.3f}]"
+            f"{first.reward_mean:.3f} at round 0, {last.reward_mean:.3f} "
+            f"[{last.reward_ci_low:.3f}, {last.reward_ci_high:.3f}] after {max(held)}"
         )
     console.print(f"{line}; manifest {run.path}")
     if report:

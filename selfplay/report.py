@@ -274,6 +274,10 @@ def write_report(
     rows = read_metrics(run_dir)
     manifest = read_manifest(run_dir)
     n = n or manifest.get("config", {}).get("table_size", 8)
+    where = f"{n}x{n}, scripted self-play on 50 held-out scenarios"
+    if baselines is None and manifest.get("baselines"):  # the run's own held-out scenarios
+        baselines = {k: v["reward_mean"] for k, v in manifest["baselines"].items()}
+        where = "scripted self-play on this run's held-out scenarios"
     if baselines is None:
         baselines = baseline_rewards(n)
     lines = {**{f"scripted {k}": v for k, v in baselines.items()}, "human": HUMAN_REFERENCE}
@@ -352,7 +356,7 @@ def write_report(
         )
     md.append("")
     md.append(
-        "Baselines (scripted self-play on held-out scenarios): "
+        f"Baselines ({where}): "
         + ", ".join(f"{k} {v:.3f}" for k, v in baselines.items())
         + f"; human reference {HUMAN_REFERENCE} (134 DialOp human games)."
     )
