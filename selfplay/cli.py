@@ -147,22 +147,30 @@ PartnerKeyEnvOption = Annotated[
 ]
 
 
-def _tracker(logger: str, out: Path, config: dict):
-    """The trackers of --logger for a train/sft output folder (files beside it, not in it)."""
+def _tracked(logger: str, cfg, prefix: str, run, show):
+    """``run(on_step)`` of train or sft with each step shown and sent to the --logger trackers
+    as ``PREFIX/*`` (their files beside the output folder, in tracking/NAME, not in it)."""
     from selfplay.tracking import open_tracker, parse_loggers
 
     try:
         loggers = parse_loggers(logger)
     except ValueError as e:
         raise fail(f"--logger: {e}") from None
-    out = Path(out).resolve()
-    return open_tracker(
+    out = Path(cfg.out).resolve()
+    with open_tracker(
         loggers,
         project="selfplay",
         name=out.name,
         run_dir=out.parent / "tracking" / out.name,
-        config=config,
-    )
+        config=cfg.model_dump(mode="json"),
+    ) as tracker:
+
+        def on_step(m, total: int) -> None:
+            show(m, total)
+            if tracker is not None:
+                tracker.log(flat(prefix, asdict(m)), step=m.step)
+
+        return run(on_step)
 
 
 def default_data_dir() -> Path:
@@ -464,7 +472,6 @@ def train(
     from selfplay.models import resolve_model
     from selfplay.train import TrainConfig
     from selfplay.train import train as run_training
-    from selfplay.train.batch import TrainDataError
 
     data = data or default_data_dir() / "train.parquet"
     out = out or Path("checkpoints") / default_data_dir().name
@@ -509,20 +516,14 @@ def train(
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=None, info="loading")
 
-        def on_step(m, total: int) -> None:
+        def show(m, total: int) -> None:
             info = (
                 f"step {m.step}/{total} pg_loss {m.pg_loss:+.4f} grad {m.grad_norm:.3f} "
                 f"clip {m.clip_frac:.3f} {m.tokens_per_s:.0f} tok/s"
             )
             progress.update(task, completed=m.step, total=total, info=info)
-            if tracker is not None:
-                tracker.log(flat("train", asdict(m)), step=m.step)
 
-        with _tracker(logger, cfg.out, cfg.model_dump(mode="json")) as tracker:
-            try:
-                result = run_training(cfg, on_step=on_step)
-            except (TrainDataError, FileExistsError, FileNotFoundError, RuntimeError) as e:
-                raise fail(str(e)) from None
+        result = _tracked(logger, cfg, "train", lambda step: run_training(cfg, step), show)
     console.print(f"model: {result.model_dir}  metrics: {result.metrics_path}")
     if result.checkpoint_dir is not None:
         console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
@@ -561,8 +562,7 @@ def sft_cmd(
 ) -> None:
     """Behaviour cloning: fine-tune on token-exact teacher rows with verl's SFT loss."""
     from selfplay.models import resolve_model
-    from selfplay.sft import SFTConfig, SFTError, sft
-    from selfplay.train.batch import TrainDataError
+    from selfplay.sft import SFTConfig, sft
 
     try:
         cfg = SFTConfig(
@@ -587,19 +587,13 @@ def sft_cmd(
     except ValidationError as e:
         raise bad_option(e) from None
 
-    def on_step(m, total: int) -> None:
+    def show(m, total: int) -> None:
         console.print(
             f"sft update {m.step}/{total}: loss {m.loss:.4f} grad {m.grad_norm:.3f} "
             f"{m.tokens_per_s:.0f} tok/s"
         )
-        if tracker is not None:
-            tracker.log(flat("sft", asdict(m)), step=m.step)
 
-    with _tracker(logger, cfg.out, cfg.model_dump(mode="json")) as tracker:
-        try:
-            result = sft(cfg, on_step=on_step)
-        except (SFTError, TrainDataError, FileExistsError, RuntimeError) as e:
-            raise fail(str(e)) from None
+    result = _tracked(logger, cfg, "sft", lambda step: sft(cfg, step), show)
     console.print(f"{result.rows} rows {result.sources}; model: {result.model_dir}")
 
 

@@ -218,12 +218,9 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
     """Build the rows and fine-tune ``config.model`` on them; see the module docstring."""
     from selfplay.players.llm import load_chat_format
     from selfplay.train.config import TrainConfig
-    from selfplay.train.trainer import train_sft
+    from selfplay.train.trainer import check_new_output, train_sft
 
-    if (config.out / "config.json").exists():
-        raise FileExistsError(
-            f"{config.out} already holds a model; choose another --out or delete it first"
-        )
+    check_new_output(config.out)  # before the teacher plays a single game
     chat = load_chat_format(config.model)
     rows_path, sources = build_rows(config, chat)
     tcfg = TrainConfig(

@@ -239,15 +239,19 @@ def _mean(metrics: dict, key: str) -> float | None:
     return float(np.mean([float(v) for v in values]))
 
 
+class OutputExists(UserError, FileExistsError):
+    """--out already holds a model (it is never overwritten)."""
+
+
+def check_new_output(out: Path) -> None:
+    if (out / "config.json").exists():
+        raise OutputExists(f"{out} already holds a model; choose another --out or delete it first")
+
+
 def _check_out(cfg: TrainConfig) -> None:
-    if (cfg.out / "config.json").exists():
-        raise FileExistsError(
-            f"{cfg.out} already holds a model; choose another --out or delete it first"
-        )
+    check_new_output(cfg.out)
     if cfg.resume_from is not None and not Path(cfg.resume_from).is_dir():
-        raise FileNotFoundError(
-            f"--resume-from {cfg.resume_from} is not a verl checkpoint directory"
-        )
+        raise TrainDataError(f"--resume-from {cfg.resume_from} is not a verl checkpoint directory")
 
 
 class DiskFull(UserError, OSError):
