@@ -3,12 +3,12 @@
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables: a warm start (behaviour cloning of the
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
-# model evaluated greedily on the same 12 held-out scenarios; the report: data/demo/REPORT.md.
+# model evaluated greedily on the same 16 held-out scenarios; the report: data/demo/REPORT.md.
 # Re-running resumes (a finished run only rewrites the report).
 DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:40 \
 	--warm-start-lr 2e-4 --dtype bf16 --iterations 2 --games-per-iter 12 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
-	--eval-scenarios 12 --micro-batch-size 4
+	--eval-scenarios 16 --micro-batch-size 4
 
 # The longer CPU experiment (about an hour): can GRPO raise held-out reward above the
 # warm-started model and above the scripted teacher it was cloned from? See README, "Learning".
