@@ -187,13 +187,17 @@ def test_training_runs_in_a_fresh_process_with_all_threads(reference_run):
 
     from selfplay.iterate import isolated
 
-    def_threads = torch.get_num_threads()
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    default, before = int(fresh.stdout), torch.get_num_threads()
     torch.set_num_threads(1)  # what the hf engine did to the whole iterate process
     try:
         threads, rss = isolated(torch.get_num_threads)
     finally:
-        torch.set_num_threads(def_threads)
-    assert threads == def_threads and rss > 0
+        torch.set_num_threads(before)
+    assert threads == default and rss > 0
     manifest = json.loads((reference_run / "data" / "ref" / "manifest.json").read_text())
     peaks = [r["stages"]["train"]["info"]["peak_rss_mb"] for r in manifest["rounds"].values()]
     assert all(p > 0 for p in peaks) and max(peaks) <= 1.1 * min(peaks)
