@@ -325,14 +325,16 @@ class Run:
         self.save()
 
     def started(self) -> bool:
-        """Whether any stage has finished (until then a corrected command may change options)."""
+        """Whether the run has produced anything: a finished stage or a played game (until then
+        a corrected command may change the options)."""
         m = self.manifest
-        return bool(
-            m.warm_start
-            or m.heldout
-            or m.heldout_initial
-            or any(r.stages for r in m.rounds.values())
-        )
+        if m.warm_start or m.heldout or m.heldout_initial:
+            return True
+        for k, r in m.rounds.items():
+            games = self.config.round_dir(k) / "games.jsonl"
+            if r.stages or (games.exists() and games.stat().st_size > 0):
+                return True
+        return False
 
     def save(self) -> None:
         _atomic_write(self.path, orjson.dumps(self.manifest.model_dump(mode="json")))

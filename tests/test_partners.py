@@ -473,6 +473,7 @@ def test_iterate_passes_partner_options_and_resume_keeps_the_partner(tmp_path):
 
     def fake_generate(gen_cfg, engine_cfg):
         seen.append(gen_cfg)
+        gen_cfg.games_path.write_text("{}\n")  # a game was played: the run has started
         raise _Stop
 
     cfg = _iter_cfg(tmp_path)
