@@ -68,7 +68,7 @@ def test_ctrl_c_shuts_the_launched_server_down_and_keeps_finished_games(tiny_mod
     games = out / "games.jsonl"
     pid_file = tmp_path / "server.pid"
     env = dict(os.environ, PYTHONPATH=str(install_fake_sglang(tmp_path / "fake")))
-    args = ["--num-games", "200", "--out", str(out), "--model", str(tiny_model)]
+    args = ["--num-games", "5000", "--out", str(out), "--model", str(tiny_model)]
     args += ["--engine", "sglang", "--sglang-python", sys.executable]
     args += ["--sglang-port", str(free_port()), f"--sglang-arg=--pid-file={pid_file}"]
     args += ["--table-size", "3", "--max-new-tokens", "16", "--concurrency", "2"]
@@ -82,5 +82,5 @@ def test_ctrl_c_shuts_the_launched_server_down_and_keeps_finished_games(tiny_mod
     with pytest.raises(ProcessLookupError):
         os.kill(server, 0)
     ids = [orjson.loads(x)["game_id"] for x in games.read_bytes().splitlines()]
-    assert 2 <= len(ids) == len(set(ids)) < 200
+    assert 2 <= len(ids) == len(set(ids)) < 5000
     assert (out / "sglang.log").exists()
