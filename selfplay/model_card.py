@@ -40,7 +40,7 @@ def _body(meta: dict[str, Any]) -> str:
     lines = [
         f"# {info.get('name') or 'selfplay model'}",
         "",
-        f"Trained by [selfplay](https://github.com/) ({info['algorithm']}) from "
+        f"Trained by selfplay ({info['algorithm']}) from "
         f"`{meta.get('base_model')}` on the DialOp paper-reviewer matching game.",
         "",
         f"- training data: `{info['data'].get('path')}` ({info['data'].get('rows')} rows"
