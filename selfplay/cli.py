@@ -863,7 +863,11 @@ def iterate_cmd(
     dtype: str | None = typer.Option(
         None, help="Training compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."
     ),
-    gpus: int = typer.Option(0, help="Training GPUs (0: CPU)."),
+    gpus: int = typer.Option(0, help="Training GPUs per node (0: CPU)."),
+    ray_address: str | None = typer.Option(
+        None, help="Train on this Ray cluster (auto: the one this node joined); needs --gpus."
+    ),
+    nodes: int = typer.Option(1, min=1, help="Nodes of that Ray cluster to train on."),
     save_verl_checkpoint: bool = typer.Option(
         False, help="Keep verl's checkpoint with optimizer state each round (3x the model size)."
     ),
@@ -950,6 +954,8 @@ def iterate_cmd(
                 loss_agg=loss_agg,
                 dtype=dtype,
                 gpus=gpus,
+                ray_address=ray_address,
+                nodes=nodes,
                 save_verl_checkpoint=save_verl_checkpoint,
             ),
             warm_start=warm_start,

@@ -35,7 +35,14 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
@@ -91,6 +98,15 @@ class TrainOptions(BaseModel):
     rollout_is: Literal["none", "tis"] = "none"
     gpus: int = Field(0, ge=0)
     ray_address: str | None = None
+    nodes: int = Field(1, ge=1)  # nodes of the Ray cluster (gpus per node)
+
+    @model_validator(mode="after")
+    def _cluster(self) -> TrainOptions:
+        if self.ray_address and self.gpus == 0:
+            raise ValueError("ray_address: training on a Ray cluster needs --gpus (per node)")
+        if self.nodes > 1 and not self.ray_address:
+            raise ValueError("nodes: several nodes need --ray-address (an existing Ray cluster)")
+        return self
 
 
 class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
@@ -184,6 +200,7 @@ ADDED_LATER = {
 
 
 TRAIN_ADDED_LATER = {
+    "nodes": 1,
     "updates_per_round": 4,
     "entropy_coef": 0.0,
     "dtype": None,
