@@ -12,10 +12,10 @@ DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:40 \
 
 # The longer CPU experiment (about an hour): can GRPO raise held-out reward above the
 # warm-started model and above the scripted teacher it was cloned from? See README, "Learning".
-LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:random:100 \
-	--warm-start-lr 2e-4 --dtype bf16 --iterations 6 --games-per-iter 36 \
-	--games-per-scenario 6 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 2e-5 \
-	--updates-per-round 6 --eval-scenarios 40 --micro-batch-size 4
+LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
+	--warm-start-lr 2e-4 --dtype bf16 --iterations 4 --games-per-iter 32 \
+	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 5e-6 \
+	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
 setup:
 	bash scripts/setup.sh
