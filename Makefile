@@ -13,7 +13,7 @@ DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:40 \
 # The longer CPU experiment (about an hour): can GRPO raise held-out reward above the
 # warm-started model and above the scripted teacher it was cloned from? See README, "Learning".
 LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
-	--warm-start-lr 2e-4 --dtype bf16 --iterations 4 --games-per-iter 32 \
+	--warm-start-lr 2e-4 --dtype bf16 --iterations 3 --games-per-iter 32 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 5e-6 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
