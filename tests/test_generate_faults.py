@@ -76,7 +76,7 @@ def test_ctrl_c_shuts_the_launched_server_down_and_keeps_finished_games(tiny_mod
     wait_for_games(games, proc, 2, timeout=180)
     server = int(pid_file.read_text())
     proc.send_signal(signal.SIGINT)
-    output, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=300)  # a loaded machine shuts the server down slowly
     assert proc.returncode == 130, output
     assert "interrupted" in output and "re-run the same command" in output
     with pytest.raises(ProcessLookupError):
