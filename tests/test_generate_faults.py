@@ -19,12 +19,19 @@ from sglang_standin import install_fake_sglang  # noqa: E402
 SELFPLAY = Path(sys.executable).parent / "selfplay"
 
 
+def _default_sigint() -> None:
+    # a test run started in the background of a non-interactive shell ignores SIGINT, and
+    # children inherit that; the command under test must see Ctrl-C as a user's terminal sends it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(args: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [str(SELFPLAY), "generate", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_sigint,
         **kw,
     )
 
