@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn bench
+.PHONY: setup test lint demo learn shy bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables: a warm start (behaviour cloning of the
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
@@ -17,6 +17,15 @@ LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 5e-6 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
+# The shy-partner experiment (about an hour): warm start on cooperative self-play (which never
+# asks), then GRPO with the model in seat 1 and the scripted shy partner (answers only direct
+# questions) in seat 2, each round's model evaluated against the same partner. Does the model
+# learn to ask? See README, "The shy partner".
+SHY_ARGS ?= --name shy --table-size 3 --partner scripted:shy --warm-start scripted:cooperative:24 \
+	--warm-start-lr 2e-4 --dtype bf16 --iterations 4 --games-per-iter 32 \
+	--games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
+	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
+
 setup:
 	bash scripts/setup.sh
 
@@ -32,6 +41,9 @@ demo: setup
 
 learn: setup
 	.venv/bin/selfplay iterate $(LEARN_ARGS)
+
+shy: setup
+	.venv/bin/selfplay iterate $(SHY_ARGS)
 
 bench: setup
 	.venv/bin/python benchmarks/bench_scenarios.py

@@ -58,6 +58,8 @@ app = _App(
     help="Self-play RL for language models on the DialOp matching game.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # click's plain help: at 80 columns rich's tables cut long option names
+    rich_markup_mode=None,
 )
 # soft_wrap: messages keep paths and commands on one line (copyable, greppable)
 console = Console(stderr=True, soft_wrap=True)
@@ -548,6 +550,11 @@ def sft_cmd(
         None, help="Clone our own games: a games.jsonl (filtered by --min-reward)."
     ),
     min_reward: float = typer.Option(0.0, help="games: keep games with at least this reward."),
+    human_data: Path | None = typer.Option(
+        None,
+        help="Clone both seats of the DialOp human games (optimization.jsonl, 8x8), replayed "
+        "through our rules (rendering policy: selfplay.human).",
+    ),
     epochs: int = typer.Option(1, min=1, help="Passes over the rows."),
     lr: float = typer.Option(1e-4, min=0.0, help="Learning rate (AdamW)."),
     mini_batch_size: int = typer.Option(8, min=1, help="Rows per optimizer update."),
@@ -575,6 +582,7 @@ def sft_cmd(
             table_size=table_size,
             games=games,
             min_reward=min_reward,
+            human_data=human_data,
             epochs=epochs,
             lr=lr,
             mini_batch_size=mini_batch_size,
@@ -868,8 +876,10 @@ def iterate_cmd(
         None, help="Train on this Ray cluster (auto: the one this node joined); needs --gpus."
     ),
     nodes: int = typer.Option(1, min=1, help="Nodes of that Ray cluster to train on."),
-    save_verl_checkpoint: bool = typer.Option(
-        False, help="Keep verl's checkpoint with optimizer state each round (3x the model size)."
+    keep_checkpoints: str = typer.Option(
+        "none",
+        help="verl's checkpoint (weights + optimizer state, about 4x the model) of which rounds "
+        "to keep: none, last or all. Each round's HF model is always kept; resume needs only it.",
     ),
     warm_start: str | None = typer.Option(
         None,
@@ -956,7 +966,7 @@ def iterate_cmd(
                 gpus=gpus,
                 ray_address=ray_address,
                 nodes=nodes,
-                save_verl_checkpoint=save_verl_checkpoint,
+                keep_checkpoints=keep_checkpoints,
             ),
             warm_start=warm_start,
             warm_start_lr=warm_start_lr,

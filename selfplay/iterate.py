@@ -92,9 +92,10 @@ class TrainOptions(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0)
     entropy_coef: float = Field(0.0, ge=0.0)
     dtype: Literal["fp32", "bf16"] | None = None
-    # verl's resumable checkpoint (optimizer state, ~3x the model) per round; the HF model of
-    # every round is always kept, and a killed train stage starts over either way
-    save_verl_checkpoint: bool = False
+    # verl's checkpoint (weights + optimizer state, ~4x the model) of which rounds to keep: none,
+    # the last trained round's, or all. The HF model of every round is always kept; it is what the
+    # next round starts from, so a resume works whatever is kept (a killed train starts over).
+    keep_checkpoints: Literal["none", "last", "all"] = "none"
     rollout_is: Literal["none", "tis"] = "none"
     gpus: int = Field(0, ge=0)
     ray_address: str | None = None
@@ -204,8 +205,9 @@ TRAIN_ADDED_LATER = {
     "updates_per_round": 4,
     "entropy_coef": 0.0,
     "dtype": None,
-    "save_verl_checkpoint": False,
 }
+# Train options a resume may change (what is kept on disk, not what is trained).
+TRAIN_RESUMABLE = ("keep_checkpoints", "save_verl_checkpoint")  # the latter: its earlier name
 
 
 def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +219,7 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     for name in ("data_root", "checkpoint_root"):  # the same folder however it was written
         if out.get(name) is not None:
             out[name] = str(Path(out[name]).resolve())
-    train = dict(out.get("train") or {})
+    train = {k: v for k, v in (out.get("train") or {}).items() if k not in TRAIN_RESUMABLE}
     for name, old in TRAIN_ADDED_LATER.items():
         if train.get(name, old) == old:
             train.pop(name, None)
@@ -389,10 +391,70 @@ def _dump(model: BaseModel | None) -> dict | None:
 Generate = Callable[[GenerateConfig, Any], Any]
 
 
+class _LogProgress:
+    """A stage's progress as log lines, about every tenth of the way (a stage runs in a child
+    whose stderr may be a log file; a terminal gets a progress bar instead)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.shown = -1
+
+    def start(self, stats) -> None:
+        self.shown = stats.done
+
+    def update(self, stats) -> None:
+        step = max(1, -(-stats.total // 10))  # ceil: at most ten lines, then the last
+        if stats.done // step > self.shown // step or stats.done == stats.total:
+            self.shown = stats.done
+            log.info(
+                "%s: %d/%d games, %.2f games/s, %.0f tokens/s, reward %.3f",
+                self.label,
+                stats.done,
+                stats.total,
+                stats.games_per_s,
+                stats.tokens_per_s,
+                stats.mean_reward,
+            )
+
+    def stop(self, stats) -> None:
+        if self.shown != stats.done:
+            self.update(stats)
+
+
+def _stage_progress(label: str):
+    import sys
+
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        from selfplay.runner import RichProgress
+
+        return RichProgress(Console(stderr=True))
+    return _LogProgress(label)
+
+
+def _step_logger(label: str) -> Callable[[Any, int], None]:
+    """``on_step`` of train/sft inside iterate: one log line per optimizer update."""
+
+    def show(m, total: int) -> None:
+        loss = f"pg_loss {m.pg_loss:+.4f}" if hasattr(m, "pg_loss") else f"loss {m.loss:.4f}"
+        log.info(
+            "%s: update %d/%d, %s, grad norm %.3f, %.0f tokens/s",
+            label,
+            m.step,
+            total,
+            loss,
+            m.grad_norm,
+            m.tokens_per_s,
+        )
+
+    return show
+
+
 def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
     from selfplay.runner import run_generate
 
-    run_generate(gen_cfg, engine_cfg)
+    run_generate(gen_cfg, engine_cfg, _stage_progress(f"round {gen_cfg.round} generate"))
 
 
 def _child_logging(level: int) -> None:
@@ -467,7 +529,8 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
             max_length=cfg.max_length,
             gpus=cfg.train.gpus,
             ray_address=cfg.train.ray_address,
-        )
+        ),
+        on_step=_step_logger("warm start"),
     )
     losses = [s.loss for s in result.steps]
     return {
@@ -530,7 +593,8 @@ def _heldout_eval(
             max_actions=cfg.max_actions,
             max_invalid=cfg.max_invalid,
             sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
-            baselines=BASELINES if baselines else (),
+            # inquisitive: the asking reference, the upper bound beside a shy partner
+            baselines=(*BASELINES, "inquisitive") if baselines else (),
             device=device,
             out=out,
             **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
@@ -692,7 +756,8 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             if out.exists():  # a train killed mid-way: its output never counted
                 log.warning("round %d: removing the unfinished checkpoint %s", k, out)
                 shutil.rmtree(out)
-            options = cfg.train.model_dump(exclude={"updates_per_round"})
+            options = cfg.train.model_dump(exclude={"updates_per_round", "keep_checkpoints"})
+            options["save_verl_checkpoint"] = cfg.train.keep_checkpoints != "none"
             if options["mini_batch_size"] is None and options["batch_size"] is None:
                 rows = rnd.stages["convert"].info.get("rows_train", 0)
                 micro = cfg.train.micro_batch_size
@@ -725,6 +790,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
                 },
             )
 
+    prune_checkpoints(run)
     if rnd.metrics is None:
         rnd.metrics = round_metrics(rnd, rdir / "games.jsonl")
         run.save()
@@ -732,10 +798,32 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
     return rnd.stages["train"].artifacts.get("model", model)
 
 
+def prune_checkpoints(run: Run) -> list[Path]:
+    """Remove the verl checkpoints ``--keep-checkpoints`` does not keep (none: every one; last:
+    all but the newest trained round's); return the folders removed. HF models stay."""
+    from selfplay.train.trainer import CHECKPOINT_DIRNAME
+
+    keep = run.config.train.keep_checkpoints
+    if keep == "all":
+        return []
+    trained = sorted(
+        k for k, r in run.manifest.rounds.items() if "train" in r.stages and not r.stages["train"].skip_reason
+    )
+    kept = set(trained[-1:]) if keep == "last" else set()
+    removed = []
+    for k in trained:
+        path = run.config.checkpoint_dir(k) / CHECKPOINT_DIRNAME
+        if k not in kept and path.exists():
+            shutil.rmtree(path)
+            removed.append(path)
+            log.info("removed %s (--keep-checkpoints %s)", path, keep)
+    return removed
+
+
 def _train(tcfg: TrainConfig):
     from selfplay.train import train
 
-    return train(tcfg)
+    return train(tcfg, on_step=_step_logger(f"{tcfg.out.name} train"))
 
 
 def _train_info(steps) -> dict[str, float]:

@@ -158,6 +158,13 @@ def _heldout_table(manifest: dict) -> list[str]:
         "scenarios), the same every round.",
         "",
     ]
+    partner = cfg.get("partner") or "self"
+    if partner != "self":
+        md += [
+            f"The other seat is always `{partner}`: every row, baselines included, is the named "
+            f"player in seat {cfg.get('policy_seat', 1)} beside it.",
+            "",
+        ]
     if warm:
         info = warm.get("info") or {}
         extra = (

@@ -9,10 +9,13 @@ with verl's SFT loss on the same workers as ``selfplay train`` (``train.trainer.
   moves (the model's own chat format, mask 1 on the action tokens and the end-of-turn token);
 - ``games=PATH``: a games.jsonl of our own games, keeping the trained seats of games whose reward
   is at least ``min_reward`` (filtered behaviour cloning);
+- ``human_data=PATH``: the DialOp human games (``optimization.jsonl``, 8x8), both seats replayed
+  through our rules and chat format under the rendering policy of ``selfplay.human``.
 
 Layout: ``OUT/`` is the new Hugging Face model (as ``selfplay train`` writes it, with
 metrics.json); ``OUT/sft_data/`` holds the teacher games (``games.jsonl``) and the rows
-(``rows.parquet``, ``records.TRAINING_SCHEMA``) that were trained on.
+(``rows.parquet``, ``records.TRAINING_SCHEMA``) that were trained on, and the replayed human games
+(``human_games.jsonl``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class SFTConfig(BaseModel):
     max_actions: int = Field(30, ge=1)
     games: Path | None = Field(None, description="games.jsonl of our own games to clone")
     min_reward: float = Field(0.0, description="keep games with at least this reward")
+    human_data: Path | None = Field(
+        None, description="DialOp optimization.jsonl: clone both seats of the human games"
+    )
     seed: int = Field(0, ge=0)
     # training
     epochs: int = Field(1, ge=1)
@@ -73,8 +79,8 @@ class SFTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sources(self) -> SFTConfig:
-        if self.teacher is None and self.games is None:
-            raise ValueError("give at least one source: teacher or games")
+        if self.teacher is None and self.games is None and self.human_data is None:
+            raise ValueError("give at least one source: teacher, games or human_data")
         for name in (self.teacher, self.partner):
             if name is not None:
                 scripted_name(name)
@@ -201,6 +207,24 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
             raise SFTError(f"--games {config.games} does not exist")
         kept = filtered_games(config.games, config.min_reward)
         add(f"games {config.games} (reward >= {config.min_reward})", kept)
+    if config.human_data is not None:
+        from selfplay.human import HumanReplay, human_records
+
+        stats = HumanReplay()
+        records = list(human_records(config.human_data, chat, stats))
+        human_path = data / "human_games.jsonl"
+        human_path.unlink(missing_ok=True)
+        append_records(human_path, records)
+        add(f"human games {config.human_data}", records)
+        log.info(
+            "human games: %d replayed, %d to the accept, %d turns, %d messages dropped before "
+            "proposals, stopped early: %s",
+            stats.games,
+            stats.complete,
+            stats.turns,
+            stats.dropped_messages,
+            stats.stopped or "none",
+        )
     table = pa.concat_tables(tables)
     if table.num_rows < config.mini_batch_size:
         raise SFTError(

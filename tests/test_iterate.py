@@ -48,6 +48,7 @@ def _cmd(root: Path, model: Path, name: str) -> list[str]:
         "--concurrency", "1",
         "--eval-scenarios", "3",
         "--logger", "tensorboard,wandb",
+        "--keep-checkpoints", "last",
         "--no-report",
     ]  # fmt: skip
 
@@ -264,6 +265,22 @@ def test_changed_config_is_a_clear_error_and_more_iterations_extend(reference_ru
     before = (reference_run / "data" / "ref" / "manifest.json").read_bytes()
     _run(cmd)
     assert (reference_run / "data" / "ref" / "manifest.json").read_bytes() == before
+
+
+def test_keep_checkpoints_last_then_none_on_resume(reference_run, primed_model):
+    ckpts = reference_run / "checkpoints" / "ref"
+    # --keep-checkpoints last: only the newest trained round keeps verl's optimizer state
+    assert not (ckpts / "round_0" / "verl_checkpoint").exists()
+    assert (ckpts / "round_1" / "verl_checkpoint").is_dir()
+    # retention may change on resume (it is not part of the run's identity) ...
+    cmd = _cmd(reference_run, primed_model, "ref")
+    _run([*cmd, "--keep-checkpoints", "none"])
+    assert not (ckpts / "round_1" / "verl_checkpoint").exists()
+    # ... and the HF weights every round starts from stay, so the run still extends
+    for k in range(ROUNDS):
+        assert (ckpts / f"round_{k}" / "model.safetensors").is_file()
+    manifest = json.loads((reference_run / "data" / "ref" / "manifest.json").read_text())
+    assert manifest["config"]["train"]["keep_checkpoints"] == "none"
 
 
 def _wandb_history(path: Path) -> list[dict]:

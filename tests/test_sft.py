@@ -28,8 +28,12 @@ def teacher_rows(tiny_model, tmp_path_factory):
 def test_rows_decode_to_the_teachers_actions_on_mask_1(teacher_rows):
     cfg, chat, path, sources = teacher_rows
     table = pq.read_table(path).to_pylist()
-    games = {g.game_id: g for g in iter_game_records(cfg.data_dir / "games.jsonl")}
     assert len(table) == 12 == sources["teacher scripted:cooperative"]  # both seats of 6 games
+    _assert_rows_are_the_games_actions(table, cfg.data_dir / "games.jsonl", chat)
+
+
+def _assert_rows_are_the_games_actions(table, games_path, chat) -> None:
+    games = {g.game_id: g for g in iter_game_records(games_path)}
     for row in table:
         game = games[row["game_id"]]
         actions = [a.text for a in game.actions if a.seat == row["seat"]]
@@ -52,6 +56,32 @@ def test_rows_decode_to_the_teachers_actions_on_mask_1(teacher_rows):
         # the prompt is the seat's first turn as the LLM player renders it
         first = games[row["game_id"]].tokens[row["seat"]].messages[0]["content"]
         assert row["prompt_ids"] == chat.encode(chat.first_prompt(first))
+
+
+def test_human_games_become_rows_of_both_seats_under_the_rendering_policy(
+    human_games, tiny_model, tmp_path
+):
+    from selfplay.human import HumanReplay, human_records
+
+    src = tmp_path / "human.jsonl"
+    src.write_text("".join(json.dumps(g) + "\n" for g in human_games[:4]))
+    cfg = SFTConfig(model=str(tiny_model), out=tmp_path / "m", human_data=src, mini_batch_size=2)
+    chat = load_chat_format(str(tiny_model))
+    path, sources = build_rows(cfg, chat)
+    table = pq.read_table(path).to_pylist()
+    assert len(table) == 8 == sources[f"human games {src}"]  # both seats of 4 games
+    _assert_rows_are_the_games_actions(table, cfg.data_dir / "human_games.jsonl", chat)
+    # the whole file: most games replay to the logged accept, scored as the humans were
+    src.write_text("".join(json.dumps(g) + "\n" for g in human_games))
+    stats = HumanReplay()
+    records = list(human_records(src, chat, stats))
+    assert stats.games == 134 and stats.complete == 115 and stats.dropped_messages == 145
+    assert sum(stats.stopped.values()) == 134 - 115
+    assert all(r.counts["invalid"] == 0 for r in records)
+    done = [r for r in records if r.outcome == "accepted"]
+    assert len(done) == 115 and np.mean([r.reward for r in done]) == pytest.approx(0.924, abs=1e-3)
+    # proposals are canonical, not the logged HTML
+    assert all("<br/>" not in a.text for r in records for a in r.actions)
 
 
 def test_teacher_scenarios_are_training_seeds_not_eval_seeds():
@@ -111,7 +141,7 @@ def test_sft_cli_writes_a_model_and_its_data(tiny_model, tmp_path):
 def test_sft_without_a_source_names_the_fix(tmp_path):
     result = CliRunner().invoke(app, ["sft", "--out", str(tmp_path / "m"), "--model", "x"])
     assert result.exit_code == 1
-    assert "teacher or games" in result.output
+    assert "at least one source: teacher, games or human_data" in result.output
 
 
 def test_filtered_games_keep_only_rewarding_games(teacher_rows, tiny_model, tmp_path):

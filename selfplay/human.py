@@ -1,0 +1,155 @@
+"""The 134 human DialOp games as behaviour-cloning rows (``selfplay sft --human-data``).
+
+A human game is replayed through our own rules (``play.play_game``), each seat a
+``TeacherPlayer`` around a replay of that human's turns, so its rows are token-exact under the
+model's chat format, like a scripted teacher's. Human logs do not follow our strict protocol, so
+the replay applies one documented rendering policy:
+
+- The seat that moved first in the log is seat 1. Player ``p`` of the log sees ``mask{p+1}`` and
+  ``scale{p+1}`` (the DialOp reference environment's indexing).
+- A run of consecutive actions by one player becomes one turn (our message passes the turn):
+  its messages are joined with a space; if the run holds a proposal, the turn is that proposal
+  and the run's messages are dropped (counted in ``HumanReplay.dropped_messages``). 113 of the
+  134 games have a player message then propose in one run.
+- Proposals are written in our canonical form (``[propose] Proposal:`` then ``Paper: Reviewer``
+  lines), not the logged HTML; a proposal that does not parse with our reviewer roster (one game
+  used another roster) ends the replay there.
+- After a reject our rules give the rejecting player the next turn; where the log continues with
+  the other player, the replay ends there (the turns before it are still rows).
+
+A replay that ends early is a record that ran out of actions (reward 0); its seats' turns up to
+that point are rows like any other (behaviour cloning does not use the reward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from selfplay.errors import UserError
+from selfplay.records import GameRecord, SeatConfig
+
+
+class HumanDataError(UserError, ValueError):
+    """The human data file is missing or unreadable."""
+
+
+@dataclass
+class HumanReplay:
+    """What the rendering policy did to one file's games."""
+
+    games: int = 0
+    complete: int = 0  # replayed to the logged accept
+    turns: int = 0
+    dropped_messages: int = 0  # messages of a run that ended in a proposal
+    stopped: dict[str, int] = field(default_factory=dict)  # why a replay ended early
+
+
+def human_turns(game: dict, n: int = 8) -> tuple[list[tuple[int, str]], str | None, int]:
+    """(seat, action text) turns of one logged game under the rendering policy, the reason the
+    replay stops early (None: it reaches the accept) and the messages dropped."""
+    from selfplay.game.matching import ProposalError, format_proposal, parse_proposal
+
+    log = game["action_log"]
+    first = log[0]["player"]
+    runs: list[tuple[int, list[dict]]] = []
+    for a in log:  # an answer to a proposal is a turn of its own (a reject keeps the turn)
+        if runs and runs[-1][0] == a["player"] and runs[-1][1][-1]["type"] != "proposal_response":
+            runs[-1][1].append(a)
+        else:
+            runs.append((a["player"], [a]))
+    turns: list[tuple[int, str]] = []
+    dropped = 0
+    expected = 0  # our rules' seat to move
+    pending = False  # a proposal awaits an answer
+    for player, actions in runs:
+        seat = 0 if player == first else 1
+        if seat != expected:
+            return turns, "the log's next player is not the one our rules give the turn", dropped
+        kinds = [a["type"] for a in actions]
+        if pending != (kinds[0] == "proposal_response") or kinds.count("proposal_response") > 1:
+            return turns, "a proposal answered by anything but accept or reject first", dropped
+        pending = False
+        if kinds[0] == "proposal_response":
+            accept = actions[0]["response"]["accept"]
+            turns.append((seat, "[accept]" if accept else "[reject]"))
+            if accept:
+                return turns, None, dropped
+            continue  # the rejecting seat moves again
+        if "proposal" in kinds:
+            proposal = [a for a in actions if a["type"] == "proposal"][-1]
+            dropped += sum(k == "message" for k in kinds)
+            try:
+                pairs = parse_proposal(proposal["proposal"], n)
+            except ProposalError:
+                return turns, "a proposal that does not parse with our reviewer roster", dropped
+            turns.append((seat, "[propose] " + format_proposal(pairs, n)))
+            pending = True
+        else:
+            text = " ".join(a["message"]["data"].strip() for a in actions)
+            turns.append((seat, "[message] " + text))
+        expected = 1 - seat
+    return turns, "the log ends without an accept", dropped
+
+
+class _Replay:
+    """A seat that plays back its logged turns; raises when the log has no more for it."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = list(texts)
+        self.config = SeatConfig(kind="scripted", name="human")
+
+    async def act(self, observation: str) -> str:
+        if not self.texts:
+            raise LookupError("the human log has no further turn for this seat")
+        return self.texts.pop(0)
+
+    def tokens(self) -> None:
+        return None
+
+
+def load_human_games(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise HumanDataError(f"--human-data {path} does not exist (dialop-data/optimization.jsonl)")
+    try:
+        return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    except orjson.JSONDecodeError as e:
+        raise HumanDataError(f"--human-data {path} is not JSONL: {e}") from None
+
+
+def human_records(path: Path, chat, stats: HumanReplay | None = None) -> Iterator[GameRecord]:
+    """Every human game of ``path`` replayed with both seats recorded under ``chat``."""
+    from selfplay.game.matching import scenario_from_arrays
+    from selfplay.play import play_game
+    from selfplay.players.teacher import TeacherPlayer
+
+    stats = stats if stats is not None else HumanReplay()
+    for i, game in enumerate(load_human_games(path)):
+        first = game["action_log"][0]["player"]
+        order = (first, 1 - first)
+        scenario = scenario_from_arrays(
+            game["table"],
+            tuple(game[f"mask{p + 1}"] for p in order),
+            tuple(game[f"scale{p + 1}"] for p in order),
+            scenario_id=f"human-{i}",
+        )
+        turns, stopped, dropped = human_turns(game, scenario.n)
+        seats = tuple(
+            TeacherPlayer(_Replay([t for s, t in turns if s == seat]), chat) for seat in (0, 1)
+        )
+        record = asyncio.run(
+            # a replay that stops early ends as out of actions, its turns all played
+            play_game(scenario, seats, game_id=f"human-{i}", seed=i, max_actions=max(len(turns), 1))
+        )
+        stats.games += 1
+        stats.turns += len(turns)
+        stats.dropped_messages += dropped
+        if stopped is None:
+            stats.complete += 1
+        else:
+            stats.stopped[stopped] = stats.stopped.get(stopped, 0) + 1
+        yield record
