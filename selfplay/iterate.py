@@ -807,7 +807,9 @@ def prune_checkpoints(run: Run) -> list[Path]:
     if keep == "all":
         return []
     trained = sorted(
-        k for k, r in run.manifest.rounds.items() if "train" in r.stages and not r.stages["train"].skip_reason
+        k
+        for k, r in run.manifest.rounds.items()
+        if "train" in r.stages and not r.stages["train"].skip_reason
     )
     kept = set(trained[-1:]) if keep == "last" else set()
     removed = []
