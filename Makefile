@@ -20,10 +20,11 @@ LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
 # The shy-partner experiment (about an hour): warm start on cooperative self-play (which never
 # asks), then GRPO with the model in seat 1 and the scripted shy partner (answers only direct
 # questions) in seat 2, each round's model evaluated against the same partner. Does the model
-# learn to ask? See README, "The shy partner".
+# learn to ask? See README, "The shy partner". 20 actions a game leave room to ask (at 10 even the
+# inquisitive reference runs out of actions before it proposes).
 SHY_ARGS ?= --name shy --table-size 3 --partner scripted:shy --warm-start scripted:cooperative:24 \
 	--warm-start-lr 2e-4 --dtype bf16 --iterations 4 --games-per-iter 32 \
-	--games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
+	--games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-5 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
 setup:
