@@ -7,16 +7,15 @@ table in the project reports the same numbers the same way.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable
-from typing import Literal
 
 import numpy as np
 from scipy import stats
 
-from selfplay.game.matching import mentions
 from selfplay.game.protocol import Outcome
+from selfplay.game.questions import classify_question
+from selfplay.game.questions import is_question as is_question  # re-export: older imports
 from selfplay.records import GameRecord
 
 
@@ -87,44 +86,6 @@ class Summary:
             **_question_summary(self._qcounts, rewards),
             "outcomes": dict(outcomes),
         }
-
-
-_QUESTION_WORDS = (
-    "what", "which", "who", "whom", "whose", "how", "why", "where", "when", "do", "does", "did",
-    "can", "could", "would", "will", "is", "are", "should", "any", "have", "has",
-)  # fmt: skip
-# Requests that ask without a question mark (the original analysis script's patterns among them).
-_ASKING = re.compile(
-    r"\b(score for|scores for|affinity between|similarity between|value for|tell me|"
-    r"let me know|share (your|the|what)|do you (know|have|see)|can you|could you)\b",
-    re.IGNORECASE,
-)
-
-
-# Statements of ignorance that contain an asking phrase ("I don't know the score for ...").
-_NOT_ASKING = re.compile(r"^\s*(i (don't|do not|dont) know|i have no|no idea)\b", re.IGNORECASE)
-
-
-def is_question(text: str) -> bool:
-    """A question: a '?', a sentence opening with a question word, or an asking phrase."""
-    if "?" in text:
-        return True
-    for sentence in re.split(r"[.!;\n]", text):
-        if _NOT_ASKING.search(sentence):
-            continue
-        words = sentence.strip().lower().split()
-        if _ASKING.search(sentence) or (words and words[0].strip(",:") in _QUESTION_WORDS):
-            return True
-    return False
-
-
-def classify_question(text: str, n: int = 8) -> Literal["direct", "general", "none"]:
-    """direct: a question naming a reviewer and a paper (asks for a score); general: any other
-    question; none: not a question."""
-    if not is_question(text):
-        return "none"
-    reviewers, papers = mentions(text, n)
-    return "direct" if reviewers and papers else "general"
 
 
 def question_counts(record: GameRecord) -> dict[str, int]:

@@ -1,8 +1,10 @@
 """Play one game between two players on one scenario and turn it into a GameRecord.
 
-The loop is the only place where the rules (``Game``) meet the players: it hands each seat what it
-was shown since its last turn and feeds the seat's answer back into the rules. A player that raises
-ends the game with outcome ``error`` (reward 0) and the message kept in the record.
+The loop is the only place where the rules meet the players: it hands each seat what it was shown
+since its last turn and feeds the seat's answer back into the rules. It knows games only through
+the ``DialogueGame`` interface (``game=``, the matching game by default). A player that raises
+ends the game with outcome ``error`` (reward 0) and the message kept in the record; an
+``EngineFailure`` (defined in ``selfplay.errors``, re-exported here) propagates.
 """
 
 from __future__ import annotations
@@ -10,21 +12,16 @@ from __future__ import annotations
 import logging
 import time
 
-from selfplay.errors import UserError
+from selfplay.errors import EngineFailure
+from selfplay.game import MATCHING, DialogueGame, Outcome
+from selfplay.game.api import Rules
 from selfplay.game.matching import Scenario
-from selfplay.game.prompts import intro
-from selfplay.game.protocol import Game, Outcome
 from selfplay.players import Player
 from selfplay.records import ActionRecord, GameRecord
 
 log = logging.getLogger(__name__)
 
-
-class EngineFailure(UserError, RuntimeError):
-    """An engine could not serve a request after its retries (dead server, timeout).
-
-    Raised by players; fatal for the run, not just for the game, so the runner stops cleanly.
-    """
+__all__ = ["EngineFailure", "build_record", "play_game"]
 
 
 async def play_game(
@@ -36,14 +33,15 @@ async def play_game(
     round: int = 0,
     max_actions: int = 30,
     max_invalid: int = 3,
+    game: DialogueGame = MATCHING,
 ) -> GameRecord:
     """Run one game to its end and return its record. Engine failures propagate (EngineFailure)."""
-    game = Game(scenario, max_actions=max_actions, max_invalid=max_invalid)
-    shown: list[list[str]] = [[intro(scenario, 0)], [intro(scenario, 1)]]
+    rules = game.new_game(scenario, max_actions=max_actions, max_invalid=max_invalid)
+    shown: list[list[str]] = [[game.intro(scenario, 0)], [game.intro(scenario, 1)]]
     start = time.perf_counter()
     error: str | None = None
-    while not game.done:
-        seat = game.turn
+    while not rules.done:
+        seat = rules.turn
         observation, shown[seat] = "\n\n".join(shown[seat]), []
         try:
             text = await players[seat].act(observation)
@@ -52,13 +50,13 @@ async def play_game(
         except Exception as e:  # a player's own failure is a game outcome, not a crash
             log.warning("game %s: seat %d failed: %s", game_id, seat, e)
             error = f"seat {seat}: {type(e).__name__}: {e}"
-            game.fail(Outcome.ERROR)
+            rules.fail(Outcome.ERROR)
             break
-        result = game.step(seat, text)
+        result = rules.step(seat, text)
         for s in (0, 1):
             shown[s].extend(result.observations[s])
     return build_record(
-        game,
+        rules,
         players,
         game_id=game_id,
         seed=seed,
@@ -69,7 +67,7 @@ async def play_game(
 
 
 def build_record(
-    game: Game,
+    rules: Rules,
     players: tuple[Player, Player],
     *,
     game_id: str,
@@ -78,11 +76,13 @@ def build_record(
     error: str | None,
     seconds: float,
 ) -> GameRecord:
+    """The record of finished ``rules``. ``GameRecord.scenario`` is still the matching game's
+    ``Scenario``, so only the matching game can be recorded until records learn other games."""
     actions = [
         ActionRecord(
             seat=a.seat, text=a.text, kind=a.kind, valid=a.valid, error=a.error, proposal=a.proposal
         )
-        for a in game.actions
+        for a in rules.actions
     ]
     counts = {
         "actions": len(actions),
@@ -98,17 +98,17 @@ def build_record(
             counts[f"generated_seat{s}"] = sum(t.mask)
     return GameRecord(
         game_id=game_id,
-        scenario_id=game.scenario.id,
+        scenario_id=rules.scenario.id,
         round=round,
         seed=seed,
-        scenario=game.scenario,
+        scenario=rules.scenario,
         seats=(players[0].config, players[1].config),
         actions=actions,
         tokens=tokens,
-        outcome=game.outcome or Outcome.ERROR,
+        outcome=rules.outcome or Outcome.ERROR,
         error=error,
-        score=game.score,
-        reward=game.reward,
+        score=rules.score,
+        reward=rules.reward,
         counts=counts,
         timings={"seconds": seconds},
     )

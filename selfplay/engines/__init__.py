@@ -21,7 +21,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from selfplay.play import EngineFailure
+from selfplay.errors import EngineFailure
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -1,5 +1,12 @@
-"""The DialOp paper-reviewer matching game: pure rules, no I/O, no engines, no torch."""
+"""Dialogue games: the interface every game satisfies, and the DialOp paper-reviewer matching game.
 
+Pure rules: no I/O, no engines, no torch. ``api.DialogueGame`` is the interface;
+``conformance.check_game(game)`` is the check every game must pass; ``GAMES`` names the games
+there are and ``get_game(name)`` picks one. The matching game's own names stay exported here.
+"""
+
+from selfplay.errors import UserError
+from selfplay.game.api import DialogueGame, GameOverError, Outcome
 from selfplay.game.matching import (
     PAPERS,
     PAPERS_SHORT,
@@ -12,20 +19,43 @@ from selfplay.game.matching import (
     scenario_from_arrays,
     score_assignment,
 )
-from selfplay.game.protocol import Action, Game, Outcome, StepResult
+from selfplay.game.matching_game import MATCHING
+from selfplay.game.protocol import Action, Game, StepResult
+
+GAMES: dict[str, DialogueGame] = {MATCHING.name: MATCHING}
+
+
+class UnknownGameError(UserError, ValueError):
+    """A game name that is not in ``GAMES``; the message lists the known ones."""
+
+
+def get_game(name: str) -> DialogueGame:
+    """The game called ``name``; ``UnknownGameError`` naming the known games otherwise."""
+    try:
+        return GAMES[name]
+    except KeyError:
+        known = ", ".join(sorted(GAMES))
+        raise UnknownGameError(f"unknown game {name!r}; known games: {known}") from None
+
 
 __all__ = [
+    "GAMES",
+    "MATCHING",
     "PAPERS",
     "PAPERS_SHORT",
     "REVIEWERS",
     "Action",
+    "DialogueGame",
     "Game",
+    "GameOverError",
     "Outcome",
     "ProposalError",
     "Scenario",
     "StepResult",
+    "UnknownGameError",
     "best_assignment",
     "generate_scenario",
+    "get_game",
     "parse_proposal",
     "scenario_from_arrays",
     "score_assignment",

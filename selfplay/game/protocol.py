@@ -3,28 +3,17 @@
 ``Game.step(seat, text)`` never raises on bad text: an invalid action is reported back to the
 acting seat as an error observation, does not consume the turn, and is counted; too many actions
 or too many consecutive invalid actions end the game with reward 0 and their own outcome.
-Seats are 0 (player-1, moves first) and 1 (player-2).
+Seats are 0 (player-1, moves first) and 1 (player-2). ``Game`` satisfies ``api.Rules``;
+``Outcome`` and ``GameOverError`` live in ``api`` (shared by all games) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from selfplay.game.api import GameOverError, Outcome
 from selfplay.game.matching import Pairs, ProposalError, Scenario, parse_proposal
-
-
-class Outcome(StrEnum):
-    ACCEPTED = "accepted"  # a full proposal was accepted: shared reward score / best
-    MAX_ACTIONS = "max_actions"  # action budget spent without agreement: reward 0
-    INVALID = "invalid"  # too many consecutive invalid actions by one seat: reward 0
-    ERROR = "error"  # a player or engine failed (set by the runner, never by the rules): reward 0
-
-
-class GameOverError(RuntimeError):
-    """step() was called on a finished game or by the seat whose turn it is not (a caller bug)."""
-
 
 ERR_EMPTY = "Cannot send empty message."
 ERR_PENDING = "A proposal was made. You must first accept or reject it."

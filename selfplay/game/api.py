@@ -1,0 +1,139 @@
+"""The game interface: what the rest of selfplay may assume about a two-seat dialogue game.
+
+A game is an object satisfying ``DialogueGame``; the matching game is ``selfplay.game.MATCHING``
+and ``selfplay.game.get_game(name)`` looks games up by name. ``selfplay.game.conformance.
+check_game(game)`` checks a game against the contract below; every game must pass it.
+
+Contract (one line each):
+
+- Scenarios are values drawn deterministically from ``(seed, size)``: the same pair gives an
+  equal scenario, different seeds give different ones; each has a string ``id``.
+- ``new_game`` builds fresh ``Rules`` (no randomness inside) and raises ``ValueError`` for limits
+  below 1. A new game is not done and seat 0 or 1 is to move.
+- ``Rules.step(seat, text)`` never raises on bad text: an invalid action is reported to the acting
+  seat only, keeps the turn, and ``max_invalid`` of them in a row end the game with
+  ``Outcome.INVALID``; a valid action is shown to the partner. After ``max_actions`` actions the
+  game is over. A step by the seat not to move, or after the end, raises ``GameOverError``.
+- ``done`` is ``outcome is not None``. ``reward`` is in [0, 1]; without agreement (any outcome but
+  ``ACCEPTED``) score and reward are 0; with agreement reward is 0 exactly when score is 0.
+  ``Outcome.ERROR`` is set only from outside the rules, by ``fail``.
+- ``intro(scenario, seat)`` is the first text a seat is shown: deterministic, different per seat.
+- ``scripted(name, scenario, seat, seed=...)`` builds a fixed-policy player for each name in
+  ``scripted_names``; any two of them finish a game within ``max_actions``.
+- ``classify_question(text, scenario)`` labels a message ``direct`` (asks about a specific item
+  of the scenario), ``general`` (any other question) or ``none``; ``direct_question(scenario)`` is
+  one obvious direct question, for checks and documentation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
+
+if TYPE_CHECKING:  # players import the game; the game needs players only as a type
+    from selfplay.players import Player
+
+QuestionKind = Literal["direct", "general", "none"]
+QUESTION_KINDS: tuple[QuestionKind, ...] = ("direct", "general", "none")
+
+
+class Outcome(StrEnum):
+    ACCEPTED = "accepted"  # the seats agreed: shared reward in [0, 1] (matching: score / best)
+    MAX_ACTIONS = "max_actions"  # action budget spent without agreement: reward 0
+    INVALID = "invalid"  # too many consecutive invalid actions by one seat: reward 0
+    ERROR = "error"  # a player or engine failed (set by the runner, never by the rules): reward 0
+
+
+class GameOverError(RuntimeError):
+    """step() was called on a finished game or by the seat whose turn it is not (a caller bug)."""
+
+
+class GameScenario(Protocol):
+    """What every scenario offers; the rest is the game's own business."""
+
+    @property
+    def id(self) -> str: ...
+
+
+S = TypeVar("S", bound=GameScenario)  # one game's scenario type
+
+
+class GameAction(Protocol):
+    """One attempted action as it goes into the game record."""
+
+    @property
+    def seat(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def kind(self) -> str: ...  # the game's action kinds, or "invalid"
+    @property
+    def valid(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...  # why an invalid action is invalid
+    @property
+    def proposal(self) -> list[tuple[int, int]] | None: ...  # a parsed proposal, if any
+
+
+class GameStep(Protocol):
+    """What each seat observes after one step, as text lines, and whether the game ended."""
+
+    @property
+    def observations(self) -> tuple[list[str], list[str]]: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def outcome(self) -> Outcome | None: ...
+    @property
+    def action(self) -> GameAction: ...
+
+
+class Rules(Protocol, Generic[S]):
+    """The state of one game on one scenario and its turn-taking rules."""
+
+    @property
+    def scenario(self) -> S: ...
+    @property
+    def turn(self) -> int: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def outcome(self) -> Outcome | None: ...
+    @property
+    def score(self) -> int: ...
+    @property
+    def reward(self) -> float: ...
+    @property
+    def actions(self) -> Sequence[GameAction]: ...
+
+    def step(self, seat: int, text: str) -> GameStep: ...
+
+    def fail(self, reason: Outcome = Outcome.ERROR) -> None:
+        """End the game from outside the rules (a player failed): reward 0."""
+        ...
+
+
+class DialogueGame(Protocol, Generic[S]):
+    """A two-seat cooperative dialogue game; see the module docstring for the contract."""
+
+    name: str
+    min_size: int
+    max_size: int
+
+    def new_scenario(self, seed: int, size: int) -> S: ...
+
+    def new_game(self, scenario: S, *, max_actions: int = 30, max_invalid: int = 3) -> Rules[S]: ...
+
+    def intro(self, scenario: S, seat: int) -> str: ...
+
+    @property
+    def scripted_names(self) -> tuple[str, ...]: ...
+
+    def scripted(self, name: str, scenario: S, seat: int, *, seed: int = 0) -> Player: ...
+
+    def classify_question(self, text: str, scenario: S | None = None) -> QuestionKind:
+        """None: judge the text against everything any scenario of the game can name."""
+        ...
+
+    def direct_question(self, scenario: S) -> str: ...
