@@ -433,24 +433,6 @@ def _stage_progress(label: str):
     return _LogProgress(label)
 
 
-def _step_logger(label: str) -> Callable[[Any, int], None]:
-    """``on_step`` of train/sft inside iterate: one log line per optimizer update."""
-
-    def show(m, total: int) -> None:
-        loss = f"pg_loss {m.pg_loss:+.4f}" if hasattr(m, "pg_loss") else f"loss {m.loss:.4f}"
-        log.info(
-            "%s: update %d/%d, %s, grad norm %.3f, %.0f tokens/s",
-            label,
-            m.step,
-            total,
-            loss,
-            m.grad_norm,
-            m.tokens_per_s,
-        )
-
-    return show
-
-
 def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
     from selfplay.runner import run_generate
 
@@ -529,8 +511,7 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
             max_length=cfg.max_length,
             gpus=cfg.train.gpus,
             ray_address=cfg.train.ray_address,
-        ),
-        on_step=_step_logger("warm start"),
+        )
     )
     losses = [s.loss for s in result.steps]
     return {
@@ -825,7 +806,7 @@ def prune_checkpoints(run: Run) -> list[Path]:
 def _train(tcfg: TrainConfig):
     from selfplay.train import train
 
-    return train(tcfg, on_step=_step_logger(f"{tcfg.out.name} train"))
+    return train(tcfg)  # it logs a line per optimizer update
 
 
 def _train_info(steps) -> dict[str, float]:

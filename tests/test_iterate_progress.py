@@ -1,11 +1,11 @@
-"""iterate's stages report progress: a line about every tenth of the games, one per update."""
+"""iterate's generate stage reports progress: a line about every tenth of the games (train and
+the warm start log a line per optimizer update themselves)."""
 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
-from selfplay.iterate import _LogProgress, _step_logger
+from selfplay.iterate import _LogProgress
 from selfplay.runner import RunStats
 
 
@@ -37,16 +37,4 @@ def test_resumed_generate_counts_from_the_kept_games(caplog):
     assert [r.getMessage().split(",")[0] for r in caplog.records] == [
         "g: 9/10 games",
         "g: 10/10 games",
-    ]
-
-
-def test_train_and_sft_updates_are_logged(caplog):
-    grpo = SimpleNamespace(step=3, pg_loss=-0.0123, grad_norm=0.5, tokens_per_s=120.0)
-    sft = SimpleNamespace(step=1, loss=1.25, grad_norm=2.0, tokens_per_s=90.0)
-    with caplog.at_level(logging.INFO, logger="selfplay.iterate"):
-        _step_logger("round_0 train")(grpo, 4)
-        _step_logger("warm start")(sft, 12)
-    assert [r.getMessage() for r in caplog.records] == [
-        "round_0 train: update 3/4, pg_loss -0.0123, grad norm 0.500, 120 tokens/s",
-        "warm start: update 1/12, loss 1.2500, grad norm 2.000, 90 tokens/s",
     ]
