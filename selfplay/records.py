@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 import pyarrow as pa
@@ -122,6 +122,18 @@ class ReadReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, object, None) for each non-blank line of a JSONL file, or (line number,
+    None, reason) for a line that is not valid JSON (a torn or corrupt line)."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield lineno, orjson.loads(line), None
+                except orjson.JSONDecodeError as e:
+                    yield lineno, None, f"not valid JSON ({e})"
+
+
 def iter_game_records(path: str | Path, report: ReadReport | None = None) -> Iterator[GameRecord]:
     """Yield the records of a games.jsonl; skip (and report) torn or corrupt lines.
 
@@ -131,27 +143,22 @@ def iter_game_records(path: str | Path, report: ReadReport | None = None) -> Ite
     path = Path(path)
     if not path.exists():
         raise RecordError(f"{path} does not exist")
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
-                report.skipped.append((lineno, f"not valid JSON ({e})"))
-                log.warning("%s:%d: skipping a torn or corrupt line", path, lineno)
-                continue
-            version = obj.get("schema_version") if isinstance(obj, dict) else None
-            if version != SCHEMA_VERSION:
-                raise RecordError(
-                    f"{path}:{lineno}: schema_version {version!r}, this selfplay reads "
-                    f"{SCHEMA_VERSION}; regenerate the games or use a matching selfplay version"
-                )
-            try:
-                yield GameRecord.model_validate(obj)
-            except ValidationError as e:
-                report.skipped.append((lineno, f"invalid record: {e.errors()[0]['msg']}"))
-                log.warning("%s:%d: skipping an invalid record", path, lineno)
+    for lineno, obj, bad in iter_jsonl(path):
+        if bad is not None:
+            report.skipped.append((lineno, bad))
+            log.warning("%s:%d: skipping a torn or corrupt line", path, lineno)
+            continue
+        version = obj.get("schema_version") if isinstance(obj, dict) else None
+        if version != SCHEMA_VERSION:
+            raise RecordError(
+                f"{path}:{lineno}: schema_version {version!r}, this selfplay reads "
+                f"{SCHEMA_VERSION}; regenerate the games or use a matching selfplay version"
+            )
+        try:
+            yield GameRecord.model_validate(obj)
+        except ValidationError as e:
+            report.skipped.append((lineno, f"invalid record: {e.errors()[0]['msg']}"))
+            log.warning("%s:%d: skipping an invalid record", path, lineno)
 
 
 def dump_record(record: BaseModel) -> bytes:

@@ -42,7 +42,13 @@ from selfplay.partners import (
     PartnerOptions,
     parse_partner,
 )
-from selfplay.records import SamplingParams, SeatConfig, SeatTokens, repair_jsonl_tail
+from selfplay.records import (
+    SamplingParams,
+    SeatConfig,
+    SeatTokens,
+    iter_jsonl,
+    repair_jsonl_tail,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +146,11 @@ class ReplyCache:
         if path is None or not path.exists():
             return
         repair_jsonl_tail(path)
-        with path.open("rb") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = orjson.loads(line)
-                    self._replies[obj["key"]] = str(obj["text"])
-                except (orjson.JSONDecodeError, KeyError, TypeError):
-                    log.warning("%s:%d: skipping a corrupt cache line", path, lineno)
+        for lineno, obj, _ in iter_jsonl(path):
+            try:
+                self._replies[obj["key"]] = str(obj["text"])
+            except (KeyError, TypeError):  # not JSON (obj None) or not a cache entry
+                log.warning("%s:%d: skipping a corrupt cache line", path, lineno)
 
     def __len__(self) -> int:
         return len(self._replies)

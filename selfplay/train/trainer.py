@@ -66,6 +66,13 @@ class StepMetrics:
     update_tokens_per_s: float
     rollout_is_mean: float | None = None
 
+    def line(self, total: int) -> str:
+        return (
+            f"step {self.step}/{total}: pg_loss {self.pg_loss:.4f}, "
+            f"grad_norm {self.grad_norm:.3f}, clip {self.clip_frac:.3f}, "
+            f"{self.tokens_per_s:.0f} tokens/s"
+        )
+
 
 @dataclass
 class TrainResult:
@@ -342,70 +349,74 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
         p.mini_batch_size,
         cfg.micro_batch_size,
     )
+    from selfplay.train.workers import update_inputs
+
+    def one(workers, epoch: int, idx: np.ndarray, step: int) -> tuple[StepMetrics, int]:
+        t0 = time.perf_counter()
+        batch = step_batch(p, idx)
+        extra = add_old_log_probs(workers, batch, cfg)
+        t1 = time.perf_counter()
+        metrics = workers.update(
+            update_inputs(batch), p.mini_batch_size, cfg.seed + step + 1,
+            entropy=cfg.entropy_coef > 0,
+        )  # fmt: skip
+        t2 = time.perf_counter()
+        tokens = int(batch["attention_mask"].sum())
+        sm = StepMetrics(
+            step=step + 1,
+            epoch=epoch,
+            rows=len(idx),
+            tokens=tokens,
+            pg_loss=_mean(metrics, "actor/pg_loss") or 0.0,
+            loss=_mean(metrics, "loss") or 0.0,
+            kl=_mean(metrics, "kl_loss"),
+            ppo_kl=_mean(metrics, "actor/ppo_kl") or 0.0,
+            clip_frac=_mean(metrics, "actor/pg_clipfrac") or 0.0,
+            grad_norm=_mean(metrics, "grad_norm") or 0.0,
+            entropy=extra.get("entropy", _mean(metrics, "actor/entropy_loss") or 0.0),
+            lr=_mean(metrics, "lr") or cfg.lr,
+            time_s=t2 - t0,
+            tokens_per_s=tokens / max(t2 - t0, 1e-9),
+            update_tokens_per_s=tokens / max(t2 - t1, 1e-9),
+            rollout_is_mean=extra.get("rollout_is_mean"),
+        )
+        return sm, len(idx) // p.mini_batch_size
+
+    batches = ((e, idx) for e in range(cfg.epochs) for idx in _epoch_batches(p, e, cfg.seed))
+    prepare = (lambda w: w.load(str(cfg.resume_from))) if cfg.resume_from is not None else None
+    result = _drive(cfg, len(p.rows), total, batches, one, on_step, prepare=prepare)
+    signal = len(np.unique(p.rows.group_ids[p.advantages != 0]))
+    _export(cfg, result, [asdict(s) for s in result.steps], groups_with_signal=signal)
+    return result
+
+
+def _drive(cfg: TrainConfig, rows: int, total: int, batches, one, on_step, *, prepare=None):
+    """The loop ``train`` and ``train_sft`` share: open the workers, run ``one(workers, epoch,
+    idx, step) -> (metrics, optimizer updates)`` on every batch (logging each step's line and
+    calling ``on_step``), save verl's checkpoint, always close the workers."""
     torch.manual_seed(cfg.seed)
-    from selfplay.train.workers import open_workers, update_inputs
+    from selfplay.train.workers import open_workers
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     workers = open_workers(cfg, total)
     result = TrainResult(
-        model_dir=cfg.out,
-        checkpoint_dir=None,
-        metrics_path=cfg.out / METRICS_FILENAME,
-        rows=len(p.rows),
+        model_dir=cfg.out, checkpoint_dir=None, metrics_path=cfg.out / METRICS_FILENAME, rows=rows
     )
     try:
-        if cfg.resume_from is not None:
-            workers.load(str(cfg.resume_from))
+        if prepare is not None:
+            prepare(workers)
         step = 0
-        for epoch in range(cfg.epochs):
-            for idx in _epoch_batches(p, epoch, cfg.seed):
-                step += 1
-                t0 = time.perf_counter()
-                batch = step_batch(p, idx)
-                extra = add_old_log_probs(workers, batch, cfg)
-                t1 = time.perf_counter()
-                train_batch = update_inputs(batch)
-                metrics = workers.update(
-                    train_batch, p.mini_batch_size, cfg.seed + step, entropy=cfg.entropy_coef > 0
-                )
-                t2 = time.perf_counter()
-                result.updates += len(idx) // p.mini_batch_size
-                tokens = int(batch["attention_mask"].sum())
-                sm = StepMetrics(
-                    step=step,
-                    epoch=epoch,
-                    rows=len(idx),
-                    tokens=tokens,
-                    pg_loss=_mean(metrics, "actor/pg_loss") or 0.0,
-                    loss=_mean(metrics, "loss") or 0.0,
-                    kl=_mean(metrics, "kl_loss"),
-                    ppo_kl=_mean(metrics, "actor/ppo_kl") or 0.0,
-                    clip_frac=_mean(metrics, "actor/pg_clipfrac") or 0.0,
-                    grad_norm=_mean(metrics, "grad_norm") or 0.0,
-                    entropy=extra.get("entropy", _mean(metrics, "actor/entropy_loss") or 0.0),
-                    lr=_mean(metrics, "lr") or cfg.lr,
-                    time_s=t2 - t0,
-                    tokens_per_s=tokens / max(t2 - t0, 1e-9),
-                    update_tokens_per_s=tokens / max(t2 - t1, 1e-9),
-                    rollout_is_mean=extra.get("rollout_is_mean"),
-                )
-                result.steps.append(sm)
-                log.info(
-                    "step %d/%d: pg_loss %.4f, grad_norm %.3f, clip %.3f, %.0f tokens/s",
-                    step,
-                    total,
-                    sm.pg_loss,
-                    sm.grad_norm,
-                    sm.clip_frac,
-                    sm.tokens_per_s,
-                )
-                if on_step is not None:
-                    on_step(sm, total)
+        for epoch, idx in batches:
+            sm, updates = one(workers, epoch, idx, step)
+            step = sm.step
+            result.updates += updates
+            result.steps.append(sm)
+            log.info("%s", sm.line(total))
+            if on_step is not None:
+                on_step(sm, total)
         _save(workers, cfg, step, result)
     finally:
         workers.close()
-    signal = len(np.unique(p.rows.group_ids[p.advantages != 0]))
-    _export(cfg, result, [asdict(s) for s in result.steps], groups_with_signal=signal)
     return result
 
 
@@ -471,6 +482,12 @@ class SFTStepMetrics:
     time_s: float
     tokens_per_s: float
 
+    def line(self, total: int) -> str:
+        return (
+            f"SFT update {self.step}/{total}: loss {self.loss:.4f}, "
+            f"grad_norm {self.grad_norm:.3f}, {self.tokens_per_s:.0f} tokens/s"
+        )
+
 
 def train_sft(
     cfg: TrainConfig,
@@ -498,55 +515,37 @@ def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:
         mini,
         cfg.micro_batch_size,
     )
-    torch.manual_seed(cfg.seed)
-    from selfplay.train.workers import open_workers, sft_inputs
+    from selfplay.train.workers import sft_inputs
 
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    workers = open_workers(cfg, total)
-    result = TrainResult(
-        model_dir=cfg.out, checkpoint_dir=None, metrics_path=cfg.out / METRICS_FILENAME
+    def one(workers, epoch: int, idx: np.ndarray, step: int) -> tuple[SFTStepMetrics, int]:
+        t0 = time.perf_counter()
+        padded = collate(rows.select(idx), pad_id)
+        metrics = workers.update(sft_inputs(padded), mini, cfg.seed + step)
+        elapsed = time.perf_counter() - t0
+        tokens = int(padded["attention_mask"].sum())
+        sm = SFTStepMetrics(
+            step=step + len(idx) // mini,
+            epoch=epoch,
+            rows=len(idx),
+            tokens=tokens,
+            trained_tokens=int(padded["response_mask"].sum()),
+            loss=_mean(metrics, "loss") or 0.0,
+            grad_norm=_mean(metrics, "grad_norm") or 0.0,
+            lr=_mean(metrics, "lr") or cfg.lr,
+            time_s=elapsed,
+            tokens_per_s=tokens / max(elapsed, 1e-9),
+        )
+        return sm, len(idx) // mini
+
+    batches = (
+        (e, idx)
+        for e in range(cfg.epochs)
+        for idx in _chunks(len(rows), batch, mini, steps_per_epoch, e, cfg.seed)
     )
-    result.rows = len(rows)
-    history: list[SFTStepMetrics] = result.steps
-    try:
-        workers.use_sft_loss()
-        step = 0
-        for epoch in range(cfg.epochs):
-            for idx in _chunks(len(rows), batch, mini, steps_per_epoch, epoch, cfg.seed):
-                t0 = time.perf_counter()
-                padded = collate(rows.select(idx), pad_id)
-                metrics = workers.update(sft_inputs(padded), mini, cfg.seed + step)
-                elapsed = time.perf_counter() - t0
-                step += len(idx) // mini
-                result.updates = step
-                tokens = int(padded["attention_mask"].sum())
-                sm = SFTStepMetrics(
-                    step=step,
-                    epoch=epoch,
-                    rows=len(idx),
-                    tokens=tokens,
-                    trained_tokens=int(padded["response_mask"].sum()),
-                    loss=_mean(metrics, "loss") or 0.0,
-                    grad_norm=_mean(metrics, "grad_norm") or 0.0,
-                    lr=_mean(metrics, "lr") or cfg.lr,
-                    time_s=elapsed,
-                    tokens_per_s=tokens / max(elapsed, 1e-9),
-                )
-                history.append(sm)
-                log.info(
-                    "SFT update %d/%d: loss %.4f, grad_norm %.3f, %.0f tokens/s",
-                    step,
-                    total,
-                    sm.loss,
-                    sm.grad_norm,
-                    sm.tokens_per_s,
-                )
-                if on_step is not None:
-                    on_step(sm, total)
-        _save(workers, cfg, step, result)
-    finally:
-        workers.close()
-    _export(cfg, result, [asdict(s) for s in history], algorithm="sft")
+    result = _drive(
+        cfg, len(rows), total, batches, one, on_step, prepare=lambda w: w.use_sft_loss()
+    )
+    _export(cfg, result, [asdict(s) for s in result.steps], algorithm="sft")
     return result
 
 
