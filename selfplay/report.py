@@ -284,7 +284,9 @@ def write_report(
     where = f"{n}x{n}, scripted self-play on 50 held-out scenarios"
     if baselines is None and manifest.get("baselines"):  # the run's own held-out scenarios
         baselines = {k: v["reward_mean"] for k, v in manifest["baselines"].items()}
-        where = "scripted self-play on this run's held-out scenarios"
+        partner = (manifest.get("config") or {}).get("partner") or "self"
+        who = "scripted self-play" if partner == "self" else f"each scripted policy + `{partner}`"
+        where = f"{who} on this run's held-out scenarios"
     if baselines is None:
         baselines = baseline_rewards(n)
     lines = {**{f"scripted {k}": v for k, v in baselines.items()}, "human": HUMAN_REFERENCE}
