@@ -130,6 +130,7 @@ def markdown(result: EvalResult, plots: dict[str, Path]) -> str:
         + (" (greedy)" if s["temperature"] == 0 else f", top-p {s['top_p']}")
         + f", at most {cfg['max_actions']} actions. Seat 2: "
         + (f"scripted `{cfg['partner']}`." if cfg["partner"] else "the same policy (self-play).")
+        + f" Models on the {(cfg.get('engine') or {}).get('kind', 'hf')} engine."
         + f" {result.seconds:.0f} s.",
         "",
         "| " + " | ".join(COLUMNS) + " |",

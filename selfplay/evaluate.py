@@ -1,11 +1,10 @@
 """Evaluation on held-out scenarios: models, scripted baselines, humans and cross-play side by side.
 
 Held-out scenarios. Evaluation scenario ``i`` under eval seed ``s`` has seed
-``eval_scenario_seed(s, i)``: a 63-bit SeedSequence hash of (EVAL_SPACE, s, i), shifted left by
-one with the low bit set, so every evaluation seed is odd. Training scenario seeds
-(``runner.scenario_seed``) are the same kind of hash shifted left with the low bit clear, so every
-training seed is even: the two sets can never share a seed, for any run seed, round or index, and
-an evaluation never replays a training scenario.
+``eval_scenario_seed(s, i)``, always odd; training scenario seeds are always even, so an
+evaluation never replays a training scenario (both spaces, and why they are disjoint:
+``selfplay.seeds``). Every row plays the same plan (``rollout.eval_plan``) through the same loop
+and seating as ``selfplay generate`` (``rollout.play_many``, ``rollout.seating``).
 
 ``run_eval(config)`` plays, on the same ``num_scenarios`` held-out scenarios:
 
@@ -19,9 +18,19 @@ an evaluation never replays a training scenario.
   cross-play reward (a gap that widens across rounds means private conventions).
 
 It adds the human reference row (the 134 DialOp human games: computed from
-``dialop-data/optimization.jsonl`` when the file is found, else the stored constant with its
-source) and returns an ``EvalResult`` whose ``rows`` are the table. Each model is loaded once
-(one engine per model; with ``cross_play`` all models are held at once). A model that cannot be
+``dialop-data/optimization.jsonl`` when the file is found, else the stored constant
+``HUMAN_REFERENCE`` with its source) and returns an ``EvalResult`` whose ``rows`` are the table.
+Each row is built from ``metrics.summarize`` key by key (``summary_fields``): a summary key the row
+neither has nor leaves out on purpose (``NOT_IN_ROW``) is an error, never a silent drop.
+
+Engines. Each model is loaded once, on its own engine: ``config.engine`` is a template (any
+``EngineConfig``: hf or SGLang) whose ``model`` is replaced by the model's path; without one, the
+hf engine on ``device`` with ``max_batch_size``. With ``cross_play`` all models are held at once.
+A launched SGLang server serves model ``j`` (its position in ``models``) on port ``port + j``, so
+that cross-play can hold them side by side. An attached SGLang server (``engine.url``: one server,
+several models) is given each model's weights with ``update_weights_from_disk(path)`` before that
+model's rows (the path must be readable by the server; the server keeps the last model's weights
+afterwards); it holds one model at a time, so cross-play refuses it. A model that cannot be
 loaded, or whose engine dies, becomes a row with an ``error`` and the rest are still evaluated;
 ``run_eval`` raises ``EvalError`` only when every model failed, after the other rows are done
 (``EvalError.result`` holds them).
@@ -39,28 +48,47 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfplay.engines import EngineFailure, HFEngineConfig, open_engine
+from selfplay.engines import (
+    Engine,
+    EngineConfig,
+    EngineFailure,
+    HFEngineConfig,
+    SGLangEngineConfig,
+    open_engine,
+)
 from selfplay.errors import UserError
-from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.metrics import classify_question, mean_ci, summarize
 from selfplay.partners import PartnerOptions
-from selfplay.play import play_game
-from selfplay.players.llm import ChatFormat, LLMPlayer, derive_seed, load_chat_format
+from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.players.scripted import SCRIPTED_NAMES, make_scripted
 from selfplay.records import GameRecord, SamplingParams, append_records
+from selfplay.rollout import (
+    GameSpec,
+    Scenarios,
+    SeatFactory,
+    Seating,
+    eval_plan,
+    llm_seat,
+    play_plan,
+    scripted_seat,
+    seating,
+)
+from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
+from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
+from selfplay.seeds import eval_scenario_seed
 
 log = logging.getLogger(__name__)
 
-EVAL_SPACE = 0x5E1F_E7A1  # a fixed first word of every evaluation seed sequence
 BASELINES = ("cooperative", "no-talk", "random")
+HUMAN_REFERENCE = 0.921  # mean normalised reward of the 134 DialOp human games (shared/dialop-data)
 HUMAN_DATA_ENV = "SELFPLAY_HUMAN_DATA"
 # ../shared/dialop-data beside the repository (where tests/conftest.py finds the human games too)
 DEFAULT_HUMAN_DATA = (
@@ -72,21 +100,6 @@ HUMAN_SOURCE = (
     "dialop-data/optimization.jsonl)"
 )
 EVAL_SCHEMA_VERSION = 1
-
-
-def _hash63(*words: int) -> int:
-    return int(np.random.SeedSequence(list(words)).generate_state(1, np.uint64)[0]) >> 1
-
-
-def eval_scenario_seed(seed: int, index: int) -> int:
-    """Seed of held-out scenario ``index`` under eval seed ``seed``: always odd (never a training
-    seed, which ``runner.scenario_seed`` makes even)."""
-    return (_hash63(EVAL_SPACE, seed, index) << 1) | 1
-
-
-def eval_game_seed(seed: int, index: int, k: int) -> int:
-    """Seed of game ``k`` on held-out scenario ``index``; the seats' sampling derives from it."""
-    return derive_seed(EVAL_SPACE, seed, index, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,28 +115,28 @@ def play_scripted(
     max_actions: int = 30,
     max_invalid: int = 3,
 ) -> list[GameRecord]:
-    """Play ``num_games`` games of two scripted policies, one fresh held-out scenario each."""
+    """Play ``num_games`` games of two scripted policies, one fresh held-out scenario each.
+
+    Game ``i`` has id ``eval-{i}`` and seed ``eval_scenario_seed(seed, i)``; seat ``s`` plays with
+    seed + 1 + s (the seeds these games always had, kept so that stored baselines still hold).
+    """
+
+    def seat(name: str) -> SeatFactory:
+        return lambda scenario, s, gseed: make_scripted(name, scenario, s, seed=gseed + 1 + s)
+
+    plan = []
+    for i in range(num_games):
+        sseed = eval_scenario_seed(seed, i)
+        plan.append(GameSpec(i, i, sseed, 0, f"eval-{i}", sseed))
 
     async def run() -> list[GameRecord]:
-        records = []
-        for i in range(num_games):
-            sseed = eval_scenario_seed(seed, i)
-            scenario = generate_scenario(sseed, n)
-            seats = (
-                make_scripted(players[0], scenario, 0, seed=sseed + 1),
-                make_scripted(players[1], scenario, 1, seed=sseed + 2),
-            )
-            records.append(
-                await play_game(
-                    scenario,
-                    seats,
-                    game_id=f"eval-{i}",
-                    seed=sseed,
-                    max_actions=max_actions,
-                    max_invalid=max_invalid,
-                )
-            )
-        return records
+        scenarios = Scenarios(n)
+        try:
+            pair = Seating(seat(players[0]), seat(players[1]))
+            limits = dict(max_actions=max_actions, max_invalid=max_invalid)
+            return await play_plan(plan, pair, scenarios, **limits)
+        finally:
+            scenarios.close()
 
     return asyncio.run(run())
 
@@ -166,26 +179,65 @@ def _scripted_name(name: str) -> str:
     return name
 
 
+DEFAULT_MAX_BATCH = HFEngineConfig.model_fields["max_batch_size"].default
+
+
 class EvalConfig(PartnerOptions):
-    """Everything one evaluation needs (``selfplay eval`` builds it from its options)."""
+    """Everything one evaluation needs (``selfplay eval`` builds it from its options; each
+    field's ``description`` is its option's help)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    models: tuple[ModelSpec, ...] = Field(min_length=1)
-    num_scenarios: int = Field(100, ge=1)
-    games_per_scenario: int = Field(1, ge=1)
-    seed: int = Field(7, ge=0)  # eval seed: picks the held-out scenario set
-    table_size: int = Field(8, ge=3, le=8)
-    max_actions: int = Field(30, ge=1)
-    max_invalid: int = Field(3, ge=1)
-    sampling: SamplingParams = SamplingParams(temperature=0.0)
-    baselines: tuple[str, ...] = BASELINES
-    cross_play: bool = False
-    concurrency: int | None = Field(None, ge=1)  # games in flight per row; None: all of them
-    device: str | None = None
-    max_batch_size: int = Field(64, ge=1)
-    human_data: Path | None = None  # None: $SELFPLAY_HUMAN_DATA, else ../shared/dialop-data
-    out: Path | None = None  # when set, every game is kept in OUT/games/<row>.jsonl
+    models: tuple[ModelSpec, ...] = Field(
+        min_length=1,
+        description="Models to evaluate: HF dirs or ids, or 'embedded'; each with its label in "
+        "the table.",
+    )
+    num_scenarios: int = Field(
+        100, ge=1, description="Held-out scenarios; every row plays the same ones."
+    )
+    games_per_scenario: int = Field(1, ge=1, description="Games per scenario (needs sampling).")
+    seed: int = Field(7, ge=0, description="Eval seed: picks the held-out scenarios (odd seeds).")
+    table_size: int = Field(8, ge=3, le=8, description="Table size n (n reviewers, n papers).")
+    max_actions: int = Field(30, ge=1, description="Actions per game before it ends unagreed.")
+    max_invalid: int = Field(3, ge=1, description="Consecutive invalid actions that end a game.")
+    sampling: SamplingParams = Field(
+        SamplingParams(temperature=0.0),
+        description="The models' sampling: temperature (0: greedy, deterministic), top-p and "
+        "tokens per action at most.",
+    )
+    baselines: tuple[str, ...] = Field(
+        BASELINES, description="Scripted baseline rows (empty for none)."
+    )
+    cross_play: bool = Field(
+        False, description="Also play every ordered pair of models; matrix and gaps."
+    )
+    concurrency: int | None = Field(
+        None, ge=1, description="Games in flight per row (default: all of them)."
+    )
+    engine: Annotated[EngineConfig, Field(discriminator="kind")] | None = Field(
+        None,
+        description="Engine template of every model (hf or sglang, by its kind); its model is "
+        "replaced by each model's path. Default: hf on --device with --max-batch-size.",
+    )
+    device: str | None = Field(
+        None, description="hf: cpu, cuda, cuda:1 (default: cuda if any). Without --engine only."
+    )
+    max_batch_size: int = Field(
+        DEFAULT_MAX_BATCH,
+        ge=1,
+        description="hf: requests decoded together at most. Without --engine only.",
+    )
+    human_data: Path | None = Field(
+        None,
+        description="DialOp optimization.jsonl for the human row (default: $SELFPLAY_HUMAN_DATA, "
+        "else ../shared/dialop-data).",
+    )
+    out: Path | None = Field(
+        None,
+        description="Output folder: every game is kept in OUT/games/<row>.jsonl (and an API "
+        "partner's cache and usage); default: games are not kept.",
+    )
 
     @field_validator("baselines")
     @classmethod
@@ -224,7 +276,31 @@ class EvalConfig(PartnerOptions):
             )
         if self.cross_play and len(self.models) < 2:
             raise ValueError("cross_play: needs at least two models")
+        if self.engine is not None and (
+            self.device is not None or self.max_batch_size != DEFAULT_MAX_BATCH
+        ):
+            raise ValueError(
+                "device: device and max_batch_size configure the default hf engine; with an "
+                "engine config, set them on it (engine.device, engine.max_batch_size)"
+            )
+        if self.cross_play and isinstance(self.engine, SGLangEngineConfig) and self.engine.url:
+            raise ValueError(
+                "cross_play: an attached SGLang server holds one model at a time and cross-play "
+                "needs every model at once; launch the servers (no engine url) or use hf"
+            )
         return self
+
+    def engine_for(self, model: str, index: int = 0) -> EngineConfig:
+        """The engine config of ``model``, the ``index``-th of ``models``: the template with the
+        model's path (a launched SGLang server on port + index)."""
+        if self.engine is None:
+            return HFEngineConfig(
+                model=model, device=self.device, max_batch_size=self.max_batch_size
+            )
+        update: dict = {"model": model}
+        if isinstance(self.engine, SGLangEngineConfig) and not self.engine.url:
+            update["port"] = self.engine.port + index
+        return self.engine.model_copy(update=update)
 
 
 Kind = Literal["model", "baseline", "human", "cross"]
@@ -234,8 +310,10 @@ class EvalRow(BaseModel):
     """One line of the table: who played which seat and metrics.summarize of their games.
 
     Metric fields are None where they do not apply (a model that failed to load; the invalid
-    rate of humans, whose interface allowed only valid moves).
+    rate of humans, whose interface allowed only valid moves). Unknown fields are refused.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     name: str
     kind: Kind
@@ -259,6 +337,26 @@ class EvalRow(BaseModel):
     general_questions_per_game: float | None = None
     outcomes: dict[str, int] = {}
     seconds: float = 0.0
+
+
+# metrics.summarize keys without a column in the table, on purpose: per-seat question counts and
+# the question/reward correlation belong to a run's report (rounds), not to this table.
+NOT_IN_ROW = frozenset(
+    {"questions_per_game_seat0", "questions_per_game_seat1", "question_reward_corr"}
+)
+
+
+def summary_fields(summary: dict) -> dict:
+    """The EvalRow fields of a ``metrics.summarize`` result (NaN becomes None). Every key is a
+    row field or in ``NOT_IN_ROW``; any other key raises, so a new metric is never dropped."""
+    fields = {k: v for k, v in summary.items() if k not in NOT_IN_ROW}
+    unknown = sorted(fields.keys() - EvalRow.model_fields.keys())
+    if unknown:
+        raise TypeError(
+            f"metrics.summarize returned {', '.join(unknown)}, which EvalRow does not have: add "
+            "a field to EvalRow or the key to evaluate.NOT_IN_ROW"
+        )
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in fields.items()}
 
 
 class CrossPlay(BaseModel):
@@ -302,18 +400,35 @@ def save_result(result: EvalResult, path: str | Path) -> Path:
     return path
 
 
+class _Stage(BaseModel):
+    artifacts: dict[str, str] = {}
+
+
+class _Round(BaseModel):
+    model: str
+    stages: dict[str, _Stage] = {}
+
+
+class _RunModels(BaseModel):
+    """What ``run_models`` reads of a run's manifest.json (``iterate.Manifest``; other fields
+    are ignored). A view, so that evaluation does not import the loop that calls it; the test of
+    ``run_models`` writes its manifest with ``iterate.Manifest`` itself, so the two cannot drift."""
+
+    manifest_version: Literal[1]
+    config: dict[str, Any] = {}
+    rounds: dict[int, _Round] = {}
+
+
 def run_models(run: str, data_root: str | Path = "data") -> list[ModelSpec]:
     """The models of a `selfplay iterate` run: the initial model, then each trained checkpoint
     (labelled ``initial``, ``round_0``, ``round_1``, ... after checkpoints/RUN/round_K)."""
-    from selfplay.iterate import Manifest
-
     path = Path(data_root) / run / "manifest.json"
     if not path.is_file():
         raise EvalError(
             f"{path} does not exist: name a run started with `selfplay iterate` "
             "(and pass --data-root when it is not under data/)"
         )
-    manifest = Manifest.model_validate(json.loads(path.read_text()))
+    manifest = _RunModels.model_validate(json.loads(path.read_text()))
     initial = (
         manifest.rounds[min(manifest.rounds)].model
         if manifest.rounds
@@ -339,8 +454,6 @@ def human_reference(path: str | Path | None = None) -> EvalRow:
     ``path`` None: $SELFPLAY_HUMAN_DATA, else ../shared/dialop-data/optimization.jsonl beside the
     repository. Reward is score / best assignment (the dataset's result.norm).
     """
-    from selfplay.report import HUMAN_REFERENCE  # report imports this module
-
     file = Path(path or os.environ.get(HUMAN_DATA_ENV) or DEFAULT_HUMAN_DATA)
     base = {"name": "human", "kind": "human", "seat1": "human", "seat2": "human"}
     if not file.is_file():
@@ -349,7 +462,7 @@ def human_reference(path: str | Path | None = None) -> EvalRow:
             games=134,
             reward_mean=HUMAN_REFERENCE,
             agreement_rate=1.0,
-            source=f"stored constant selfplay.report.HUMAN_REFERENCE: {HUMAN_SOURCE}; "
+            source=f"stored constant selfplay.evaluate.HUMAN_REFERENCE: {HUMAN_SOURCE}; "
             f"{file} was not found",
         )
     games = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
@@ -395,11 +508,8 @@ def human_reference(path: str | Path | None = None) -> EvalRow:
 class _Loaded:
     spec: ModelSpec
     path: str
-    engine: object
+    engine: Engine
     chat: ChatFormat
-
-
-SeatFactory = Callable[[Scenario, int, int], object]  # (scenario, seat, game seed) -> Player
 
 
 def _slug(text: str) -> str:
@@ -407,12 +517,13 @@ def _slug(text: str) -> str:
 
 
 class _Evaluation:
-    """One evaluation in progress: the scenarios, the loaded models and the rows so far."""
+    """One evaluation in progress: the plan and its scenarios, the partner, loading models."""
 
     def __init__(self, config: EvalConfig) -> None:
         self.config = config
         self.seeds = [eval_scenario_seed(config.seed, i) for i in range(config.num_scenarios)]
-        self.scenarios: list[Scenario] = []
+        self.plan = eval_plan(config.seed, config.num_scenarios, config.games_per_scenario)
+        self.scenarios = Scenarios(config.table_size, keep=True)  # every row plays them all
         self.games_dir = config.out / "games" if config.out is not None else None
         self.partner_client = None  # an API partner's client, shared by every row
 
@@ -420,9 +531,7 @@ class _Evaluation:
         from selfplay.players.api import api_partner_config, open_partner_client
 
         cfg = self.config
-        self.scenarios = await asyncio.to_thread(
-            lambda: [generate_scenario(s, cfg.table_size) for s in self.seeds]
-        )
+        await self.scenarios.warm(self.plan)
         if self.games_dir is not None:
             self.games_dir.mkdir(parents=True, exist_ok=True)
         api = api_partner_config(cfg, cfg.out)
@@ -430,79 +539,43 @@ class _Evaluation:
             self.partner_client = open_partner_client(api)
 
     async def aclose(self) -> None:
+        self.scenarios.close()
         if self.partner_client is not None:
             await self.partner_client.aclose()
 
-    def _partner(self) -> SeatFactory:
-        """The --partner seat: a scripted policy or the API partner."""
-        if self.partner_client is None:
-            return self._scripted(self.config.partner)
-        from selfplay.players.api import ApiPartner
+    def seating(self, policy: SeatFactory) -> Seating:
+        """``policy`` in ``policy_seat`` across the configured partner (or in both seats)."""
+        cfg = self.config
+        return seating(
+            policy, cfg.partner, policy_seat=cfg.policy_seat, partner_client=self.partner_client
+        )
 
-        client = self.partner_client
-        return lambda scenario, seat, gseed: ApiPartner(client)
+    def llm(self, lm: _Loaded) -> SeatFactory:
+        return llm_seat(lm.engine, lm.chat, self.config.sampling, name=lm.path, trained=False)
 
-    def _llm(self, lm: _Loaded) -> SeatFactory:
-        sampling = self.config.sampling
-
-        def make(scenario: Scenario, seat: int, gseed: int) -> LLMPlayer:
-            return LLMPlayer(
-                lm.engine,
-                lm.chat,
-                sampling=sampling,
-                seed=derive_seed(gseed, seat),
-                name=lm.path,
-                trained=False,
-            )
-
-        return make
-
-    @staticmethod
-    def _scripted(name: str) -> SeatFactory:
-        def make(scenario: Scenario, seat: int, gseed: int):
-            return make_scripted(name, scenario, seat, seed=derive_seed(gseed, seat))
-
-        return make
-
-    async def play(
-        self, file: str, seat1: SeatFactory, seat2: SeatFactory, *, quiet: bool = False
-    ) -> list[GameRecord]:
+    async def play(self, file: str, seats: Seating, *, quiet: bool = False) -> list[GameRecord]:
         """Every game of one row (all scenarios x games_per_scenario), in plan order."""
         cfg = self.config
-        plan = [(i, k) for i in range(cfg.num_scenarios) for k in range(cfg.games_per_scenario)]
-        limit = asyncio.Semaphore(cfg.concurrency or len(plan))
+        total = len(self.plan)
+        every = max(1, total // 10)
         done = 0
-        every = max(1, len(plan) // 10)
 
-        async def one(i: int, k: int) -> GameRecord:
+        def finished(spec: GameSpec, record: GameRecord) -> None:
             nonlocal done
-            async with limit:
-                scenario, gseed = self.scenarios[i], eval_game_seed(cfg.seed, i, k)
-                record = await play_game(
-                    scenario,
-                    (seat1(scenario, 0, gseed), seat2(scenario, 1, gseed)),
-                    game_id=f"eval-s{self.seeds[i]}-g{k}",
-                    seed=gseed,
-                    max_actions=cfg.max_actions,
-                    max_invalid=cfg.max_invalid,
-                )
             done += 1
-            if done % every == 0 or done == len(plan):
-                log.log(
-                    logging.DEBUG if quiet else logging.INFO,
-                    "eval %s: %d/%d games",
-                    file,
-                    done,
-                    len(plan),
-                )
-            return record
+            if done % every == 0 or done == total:
+                level = logging.DEBUG if quiet else logging.INFO
+                log.log(level, "eval %s: %d/%d games", file, done, total)
 
-        tasks = [asyncio.ensure_future(one(i, k)) for i, k in plan]
-        try:
-            records = list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
+        records = await play_plan(
+            self.plan,
+            seats,
+            self.scenarios,
+            concurrency=cfg.concurrency,
+            max_actions=cfg.max_actions,
+            max_invalid=cfg.max_invalid,
+            on_game=finished,
+        )
         if self.games_dir is not None:
             path = self.games_dir / f"{_slug(file)}.jsonl"
             path.unlink(missing_ok=True)
@@ -510,23 +583,24 @@ class _Evaluation:
         return records
 
     async def load(self, spec: ModelSpec) -> _Loaded:
+        """Start ``spec``'s engine (an attached SGLang server is given its weights)."""
         from selfplay.models import resolve_model
 
         path = await asyncio.to_thread(resolve_model, spec.model)
         chat = await asyncio.to_thread(load_chat_format, path)
-        engine_cfg = HFEngineConfig(
-            model=path, device=self.config.device, max_batch_size=self.config.max_batch_size
-        )
+        engine_cfg = self.config.engine_for(path, self.config.models.index(spec))
         engine = await asyncio.to_thread(open_engine, engine_cfg)
-        await engine.start()
+        try:
+            await engine.start()
+            if isinstance(engine_cfg, SGLangEngineConfig) and engine_cfg.url:
+                await engine.update_weights_from_disk(path)  # type: ignore[attr-defined]
+        except BaseException:
+            await engine.aclose()
+            raise
         return _Loaded(spec, path, engine, chat)
 
 
 def _row(name: str, kind: Kind, seat1: str, seat2: str, records, started: float, **extra):
-    summary = summarize(records)
-    summary = {
-        k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()
-    }
     return EvalRow(
         name=name,
         kind=kind,
@@ -534,7 +608,7 @@ def _row(name: str, kind: Kind, seat1: str, seat2: str, records, started: float,
         seat2=seat2,
         seconds=time.perf_counter() - started,
         **extra,
-        **summary,
+        **summary_fields(summarize(records)),
     )
 
 
@@ -547,10 +621,9 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
     """Evaluate every model, baseline and (optionally) model pair; see the module docstring."""
     started = time.perf_counter()
     ev = _Evaluation(config)
-    await ev.prepare()
     rows: list[EvalRow] = []
     errors: dict[str, str] = {}
-    kept: list[_Loaded] = []  # held for cross-play
+    kept: list[_Loaded] = []  # engines open now: the models held for cross-play, or the current
     partner = config.partner
 
     def failed(label: str, names: tuple[str, str], model: str, msg: str) -> None:
@@ -563,6 +636,7 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
         )
 
     try:
+        await ev.prepare()
         for spec in config.models:
             t0 = time.perf_counter()
             seat2_name = partner or spec.label
@@ -574,32 +648,26 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
                 msg = f"model {spec.label!r} ({spec.model}) could not be loaded: "
                 failed(spec.label, names, spec.model, msg + f"{type(e).__name__}: {e}")
                 continue
-            other = ev._partner() if partner else ev._llm(lm)
-            seats = (ev._llm(lm), other) if config.policy_seat == 1 else (other, ev._llm(lm))
+            kept.append(lm)  # closed below whatever happens (Ctrl-C included)
             try:
-                log.info(
-                    "eval: %s (%d games)",
-                    spec.label,
-                    config.num_scenarios * config.games_per_scenario,
-                )
-                records = await ev.play(f"model-{spec.label}", *seats)
+                log.info("eval: %s (%d games)", spec.label, len(ev.plan))
+                records = await ev.play(f"model-{spec.label}", ev.seating(ev.llm(lm)))
             except EngineFailure as e:
                 msg = f"model {spec.label!r} ({lm.path}) failed while playing: {e}"
                 failed(spec.label, names, lm.path, msg)
+                kept.remove(lm)
                 await lm.engine.aclose()
                 continue
             rows.append(_row(spec.label, "model", *names, records, t0, model=lm.path))
             log.info("eval: %s reward %.3f", spec.label, rows[-1].reward_mean or 0.0)
-            if config.cross_play:
-                kept.append(lm)
-            else:
+            if not config.cross_play:
+                kept.remove(lm)
                 await lm.engine.aclose()
         cross = await _cross_play(ev, kept, rows, errors) if len(kept) >= 2 else None
         for name in config.baselines:
             t0 = time.perf_counter()
-            own, other = ev._scripted(name), ev._partner() if partner else ev._scripted(name)
-            seats = (own, other) if config.policy_seat == 1 else (other, own)
-            records = await ev.play(f"baseline-{name}", *seats, quiet=True)
+            seats = ev.seating(scripted_seat(name))
+            records = await ev.play(f"baseline-{name}", seats, quiet=True)
             names = _ordered((name, partner or name), config)
             rows.append(_row(name, "baseline", *names, records, t0))
     finally:
@@ -641,7 +709,7 @@ async def _cross_play(
             name = f"{a.spec.label} + {b.spec.label}"
             log.info("eval: cross-play %s", name)
             try:
-                records = await ev.play(f"cross-{name}", ev._llm(a), ev._llm(b))
+                records = await ev.play(f"cross-{name}", Seating(ev.llm(a), ev.llm(b)))
             except EngineFailure as e:
                 errors[name] = f"cross-play {name} failed: {e}"
                 rows.append(

@@ -17,12 +17,9 @@ import matplotlib.pyplot as plt
 import orjson
 
 from selfplay.errors import UserError
-from selfplay.evaluate import evaluate_scripted
+from selfplay.evaluate import BASELINES, HUMAN_REFERENCE, evaluate_scripted
 
 log = logging.getLogger(__name__)
-
-HUMAN_REFERENCE = 0.921  # mean normalised reward of the 134 DialOp human games (shared/dialop-data)
-BASELINES = ("cooperative", "no-talk", "random")
 
 
 class ReportError(UserError, ValueError):

@@ -1,120 +1,81 @@
 """Play many self-play games at once and append each finished game to ``OUT/games.jsonl``.
 
-- Games are planned deterministically: scenario ``i`` has seed SeedSequence(run seed, round, i),
-  made even (``scenario_seed``; evaluation seeds are odd, so eval never replays a training
-  scenario), and its ``K`` games (``games_per_scenario``, so GRPO can compare them) have ids
-  ``r{round}-s{scenario seed}-g{k}`` and seeds SeedSequence(run seed, round, i, k). Every sampling
-  seed of a game derives from its seed (see ``LLMPlayer``), which the record stores.
-- Up to ``concurrency`` games are in flight (default: all missing games), all sharing one engine
-  that batches their requests. A finished game is appended and fsynced at once (a writer task
-  groups games that finish together into one write).
+- Games are planned deterministically (``rollout.training_plan``): scenario ``i`` has seed
+  ``scenario_seed(run seed, round, i)``, always even (``selfplay.seeds``: evaluation seeds are odd,
+  so eval never replays a training scenario), and its ``K`` games (``games_per_scenario``, so GRPO
+  can compare them) have ids ``r{round}-s{scenario seed}-g{k}`` and seeds
+  ``game_seed(run seed, round, i, k)``. Every sampling seed of a game derives from its seed (see
+  ``LLMPlayer``), which the record stores.
+- Games are played by ``rollout.play_many``, the loop eval uses too: up to ``concurrency`` games
+  in flight (default: all missing games), all sharing one engine that batches their requests. A
+  finished game is appended and fsynced at once (a writer task groups games that finish together
+  into one write).
 - Re-running the same command resumes: a torn last line is dropped with a warning, finished games
   are kept, only missing ones are played. ``OUT/generate.json`` holds the options that decide which
   games the folder contains; a re-run with different ones is refused with the differences named.
 - An ``EngineFailure`` (dead server) stops the run: games in flight are cancelled, every finished
   game is kept, and the error says how to resume. Ctrl-C does the same.
 - With a partner (``selfplay.partners``) the model plays seat ``policy_seat`` (its only trained
-  seat) and a scripted policy or an API chat model the other; ``policy_seat`` 2 lets the partner
-  move first. An API partner is one ``PartnerClient`` per run (concurrency, reply cache in
-  ``OUT/partner_cache.jsonl``, call cap); its spend goes into the summary (``partner``) and one
-  line per run in ``OUT/partner_usage.jsonl``. Its spent cap stops the run like an engine failure.
+  seat) and a scripted policy or an API chat model the other (``rollout.seating``);
+  ``policy_seat`` 2 lets the partner move first. An API partner is one ``PartnerClient`` per run
+  (concurrency, reply cache in ``OUT/partner_cache.jsonl``, call cap); its spend goes into the
+  summary (``partner``) and one line per run in ``OUT/partner_usage.jsonl``. Its spent cap stops
+  the run like an engine failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import json
 import logging
 import math
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import orjson
 
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.errors import UserError
-from selfplay.game.matching import Scenario, generate_scenario
 from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
 from selfplay.metrics import Summary
-from selfplay.partners import OpenAIPartner, ScriptedPartner, SelfPlay, parse_partner
-from selfplay.play import play_game
-from selfplay.players import Player
 from selfplay.players.api import (
-    ApiPartner,
     ApiPartnerConfig,
     PartnerCallCap,
     PartnerClient,
     api_partner_config,
     open_partner_client,
 )
-from selfplay.players.llm import ChatFormat, LLMPlayer, derive_seed, load_chat_format
+from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, append_records, repair_jsonl_tail
+from selfplay.rollout import (
+    GameSpec,
+    Scenarios,
+    Seating,
+    llm_seat,
+    play_many,
+    seating,
+    training_plan,
+)
+from selfplay.seeds import TRAIN_SPACE as TRAIN_SPACE  # re-exports: the training seed space
+from selfplay.seeds import game_seed as game_seed  # lived here before selfplay.seeds
+from selfplay.seeds import scenario_seed as scenario_seed
 
 log = logging.getLogger(__name__)
-
-TRAIN_SPACE = 0x5E1F_9A3E  # first word of every generate seed sequence (eval uses its own)
 
 
 class OutputMismatch(UserError, ValueError):
     """OUT already holds games planned with other options."""
 
 
-# ---------------------------------------------------------------------------------------------
-# The plan: which games exist, deterministically
-
-
-def scenario_seed(seed: int, round: int, index: int) -> int:
-    """Scenario seed of training scenario ``index``: always even, so never an evaluation seed.
-
-    A 63-bit SeedSequence hash of (TRAIN_SPACE, seed, round, index) shifted left by one; the
-    held-out scenarios of ``selfplay eval`` (``evaluate.eval_scenario_seed``) set the low bit, so
-    the two sets are disjoint by construction, whatever the seeds.
-    """
-    words = [TRAIN_SPACE, seed, round, index]
-    return (int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0]) >> 1) << 1
-
-
-def game_seed(seed: int, round: int, index: int, k: int) -> int:
-    return derive_seed(TRAIN_SPACE, seed, round, index, k)
-
-
-@dataclass(frozen=True)
-class GameSpec:
-    index: int  # position in the plan
-    scenario_index: int
-    scenario_seed: int
-    k: int  # game number on its scenario
-    game_id: str
-    seed: int
-
-
 def plan_games(config: GenerateConfig) -> Iterator[GameSpec]:
     """The run's games in order: scenario 0's K games, scenario 1's, ... (lazy)."""
-    per = config.games_per_scenario
-    for i in range(math.ceil(config.num_games / per)):
-        sseed = scenario_seed(config.seed, config.round, i)
-        for k in range(per):
-            index = i * per + k
-            if index >= config.num_games:
-                return
-            yield GameSpec(
-                index=index,
-                scenario_index=i,
-                scenario_seed=sseed,
-                k=k,
-                game_id=f"r{config.round}-s{sseed}-g{k}",
-                seed=game_seed(config.seed, config.round, i, k),
-            )
+    return training_plan(config.seed, config.round, config.num_games, config.games_per_scenario)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,88 +272,17 @@ class _Writer:
                 self._buffer = []
 
 
-class _Scenarios:
-    """Scenarios made off the event loop, shared by their K games, prefetched ahead of the plan.
-
-    Specs are handed out in plan order, so once scenario ``i`` is asked for, no game needs an
-    earlier one from here (games already holding a future keep it); the next ``lookahead``
-    scenarios are started so that a game starting later does not wait for its table and fall
-    out of step with the batch everyone else is in.
-    """
-
-    def __init__(self, config: GenerateConfig, lookahead: int) -> None:
-        self.config = config
-        self.lookahead = max(1, lookahead)
-        self.count = math.ceil(config.num_games / config.games_per_scenario)
-        self._cache: dict[int, asyncio.Future] = {}
-        # One thread per core: numpy releases the GIL only in the large steps of a scenario, so
-        # asyncio's default pool (cores + 4 threads) made 64 scenarios no faster than one thread
-        # on 2 cores (0.73 s), and 2 threads 30% faster (0.54 s).
-        self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="scenarios")
-
-    def _future(self, index: int) -> asyncio.Future:
-        future = self._cache.get(index)
-        if future is None:
-            seed = scenario_seed(self.config.seed, self.config.round, index)
-            future = asyncio.get_running_loop().run_in_executor(
-                self._pool, generate_scenario, seed, self.config.table_size
-            )
-            self._cache[index] = future
-        return future
-
-    def close(self) -> None:
-        """Stop the threads; scenarios being made are dropped (no game is waiting for them)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def get(self, spec: GameSpec) -> asyncio.Future:
-        i = spec.scenario_index
-        for old in [k for k in self._cache if k < i]:
-            del self._cache[old]
-        for j in range(i + 1, min(i + self.lookahead, self.count)):
-            self._future(j)
-        return self._future(i)
-
-    async def warm(self, specs: list[GameSpec]) -> None:
-        """Make the scenarios of the first games before any starts, so they start together."""
-        await asyncio.gather(*(self._future(s.scenario_index) for s in specs))
-
-
-def make_players(
+def generate_seating(
     config: GenerateConfig,
-    spec: GameSpec,
-    scenario: Scenario,
     engine: Engine,
     chat: ChatFormat,
     partner_client: PartnerClient | None = None,
-) -> tuple[Player, Player]:
-    """The two seats of one game: the model in both (self-play) or in ``policy_seat`` only."""
-    from selfplay.players.scripted import make_scripted
-
-    def llm(seat: int) -> LLMPlayer:
-        return LLMPlayer(
-            engine,
-            chat,
-            sampling=config.sampling,
-            seed=derive_seed(spec.seed, seat),
-            name=config.model,
-        )
-
-    policy = config.policy_seat - 1
-    other = 1 - policy
-    partner: Player
-    match parse_partner(config.partner):
-        case SelfPlay():
-            return llm(0), llm(1)
-        case ScriptedPartner(name=name):
-            partner = make_scripted(name, scenario, other, seed=derive_seed(spec.seed, other))
-        case OpenAIPartner():
-            if partner_client is None:
-                raise ValueError(
-                    f"partner {config.partner} needs a PartnerClient: pass partner_client "
-                    "(run_generate opens one from the config)"
-                )
-            partner = ApiPartner(partner_client)
-    return (llm(0), partner) if policy == 0 else (partner, llm(1))
+) -> Seating:
+    """Who plays: the model in both seats (self-play) or in ``policy_seat`` across the partner."""
+    policy = llm_seat(engine, chat, config.sampling, name=config.model)
+    return seating(
+        policy, config.partner, policy_seat=config.policy_seat, partner_client=partner_client
+    )
 
 
 def partner_config(config: GenerateConfig) -> ApiPartnerConfig | None:
@@ -414,8 +304,7 @@ async def generate_games(
     An ``openai:MODEL`` partner needs ``partner_client`` (``run_generate`` opens one); the caller
     closes it. Its usage goes into ``summary["partner"]``.
     """
-    if isinstance(parse_partner(config.partner), OpenAIPartner) and partner_client is None:
-        raise ValueError(f"partner {config.partner} needs a partner_client (open_partner_client)")
+    seats = generate_seating(config, engine, chat, partner_client)  # checks the partner client
     if existing is None:
         existing = prepare_output(config)
     planned_ids = {s.game_id for s in plan_games(config)}
@@ -437,52 +326,37 @@ async def generate_games(
     gc.freeze()
     if progress:
         progress.start(stats)
-    width = min(config.concurrency or to_play, to_play)
-    pending = (s for s in plan_games(config) if s.game_id not in existing)
-    first_wave = list(itertools.islice(pending, width))
-    specs = itertools.chain(first_wave, pending)
-    scenarios = _Scenarios(config, lookahead=2 + width // config.games_per_scenario)
-    try:
-        await scenarios.warm(first_wave)
-    except BaseException:  # Ctrl-C or a bad table size before any game started
-        scenarios.close()
-        raise
-    writer = _Writer(config.games_path)
     summary = Summary()  # this run's games as they finish; kept ones are read back at the end
+    scenarios = Scenarios(config.table_size)
+    writer = _Writer(config.games_path)
 
-    async def worker() -> None:
-        for spec in specs:
-            scenario = await scenarios.get(spec)
-            record = await play_game(
-                scenario,
-                make_players(config, spec, scenario, engine, chat, partner_client),
-                game_id=spec.game_id,
-                seed=spec.seed,
-                round=config.round,
-                max_actions=config.max_actions,
-                max_invalid=config.max_invalid,
+    def finished(spec: GameSpec, record: GameRecord) -> None:
+        writer.put(record)
+        summary.add(record)
+        stats.played += 1
+        stats.reward_sum += record.reward
+        stats.outcomes[str(record.outcome)] += 1
+        if tokens_at_start is None:
+            stats.generated_tokens += sum(
+                v for k, v in record.counts.items() if k.startswith("generated_seat")
             )
-            writer.put(record)
-            summary.add(record)
-            stats.played += 1
-            stats.reward_sum += record.reward
-            stats.outcomes[str(record.outcome)] += 1
-            if tokens_at_start is None:
-                stats.generated_tokens += sum(
-                    v for k, v in record.counts.items() if k.startswith("generated_seat")
-                )
-            else:
-                stats.generated_tokens = engine.generated_tokens - tokens_at_start  # type: ignore[attr-defined]
-            if progress:
-                progress.update(stats)
+        else:
+            stats.generated_tokens = engine.generated_tokens - tokens_at_start  # type: ignore[attr-defined]
+        if progress:
+            progress.update(stats)
 
-    tasks = [asyncio.create_task(worker(), name=f"game-worker-{i}") for i in range(width)]
     try:
-        if tasks:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+        await play_many(
+            (s for s in plan_games(config) if s.game_id not in existing),
+            seats,
+            scenarios,
+            count=to_play,
+            concurrency=config.concurrency,
+            round=config.round,
+            max_actions=config.max_actions,
+            max_invalid=config.max_invalid,
+            on_game=finished,
+        )
     except EngineFailure as e:
         fix = (
             "re-run with a higher --partner-max-calls"
@@ -498,9 +372,6 @@ async def generate_games(
             "to play the missing ones"
         ) from e
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         scenarios.close()
         await writer.close()
         stats.seconds = time.perf_counter() - stats.started

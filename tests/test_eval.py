@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from selfplay.evaluate import (
     run_models,
 )
 from selfplay.runner import scenario_seed
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
 
 WORDS = st.integers(min_value=0, max_value=2**64 - 1)
 # small and fast: 3x3 tables, short games, short actions
@@ -397,3 +401,69 @@ def test_cli_option_errors(tmp_path):
     assert code == 1 and "--partner" in output
     code, output = _eval("--cross-play")
     assert code == 1 and "need --models or --run" in output
+
+
+# --- any engine: models served by an attached SGLang server -------------------------------------
+
+
+@pytest.fixture
+def sglang_url(tiny_model):
+    """The SGLang stand-in, serving the tiny model's weights whatever it is told to load."""
+    from test_engines import _serve, wait_healthy
+
+    url, proc = _serve([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)])
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_eval_through_an_attached_sglang_server(sglang_url, tiny_model, other_model, tmp_path):
+    """Two models through one SGLang server (the stand-in: the wire format, backed by the hf
+    engine on the tiny model's weights, whatever it is told to load), each model's weights loaded
+    before its rows; the same held-out scenarios, and for the tiny model the same games, as the
+    hf engine gives."""
+    import httpx
+
+    from selfplay.engines import SGLangEngineConfig
+    from selfplay.evaluate import run_eval
+    from selfplay.records import SamplingParams
+
+    models = (
+        ModelSpec(label="tiny", model=str(tiny_model)),
+        ModelSpec(label="later", model=str(other_model)),
+    )
+    common = dict(
+        num_scenarios=3,
+        table_size=3,
+        max_actions=6,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=40),
+        baselines=("random",),
+    )
+    template = SGLangEngineConfig(model="replaced by each model", url=sglang_url)
+    result = run_eval(EvalConfig(models=models, engine=template, out=tmp_path / "sg", **common))
+    assert result.scenario_seeds == [eval_scenario_seed(7, i) for i in range(3)]
+    assert result.config["engine"]["kind"] == "sglang" and result.errors == {}
+    for label in ("tiny", "later"):
+        row = result.row(label, "model")
+        assert row.error is None and row.games == 3 == sum(row.outcomes.values())
+        assert 0.0 <= row.reward_mean <= 1.0
+    assert result.row("random", "baseline").games == 3
+    # the server was given each model's weights in turn: the later model's last
+    assert httpx.get(f"{sglang_url}/model_info").json()["model_path"] == str(other_model)
+
+    hf = run_eval(EvalConfig(models=models[:1], device="cpu", out=tmp_path / "hf", **common))
+    assert hf.scenario_seeds == result.scenario_seeds
+    assert _table(hf)[0] == _table(result)[0]  # the tiny model's row
+
+    def split(games: list[dict]) -> tuple[list[dict], list[list[float]]]:
+        logprobs = [t.pop("logprobs") for g in games for t in g["tokens"] if t]
+        return games, logprobs
+
+    sg_games, sg_lp = split(_games(tmp_path / "sg")["model-tiny.jsonl"])
+    hf_games, hf_lp = split(_games(tmp_path / "hf")["model-tiny.jsonl"])
+    assert sg_games == hf_games  # token for token
+    for a, b in zip(sg_lp, hf_lp):
+        assert a == pytest.approx(b, abs=1e-4)
