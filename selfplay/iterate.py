@@ -564,7 +564,13 @@ def _heldout_eval(
     baselines on the same scenarios when asked."""
     from selfplay.evaluate import BASELINES, EvalConfig, ModelSpec, run_eval
 
-    device = cfg.engine.device if isinstance(cfg.engine, HFEngineConfig) else None
+    # the run's own engine: hf on its device, or SGLang (an attached server loads the evaluated
+    # weights with update_weights_from_disk, as the next round would)
+    where = (
+        {"device": cfg.engine.device}
+        if isinstance(cfg.engine, HFEngineConfig)
+        else {"engine": cfg.engine}
+    )
     result = run_eval(
         EvalConfig(
             models=(ModelSpec(label="model", model=model),),
@@ -576,7 +582,7 @@ def _heldout_eval(
             sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
             # inquisitive: the asking reference, the upper bound beside a shy partner
             baselines=(*BASELINES, "inquisitive") if baselines else (),
-            device=device,
+            **where,
             out=out,
             **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
         )
