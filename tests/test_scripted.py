@@ -243,3 +243,12 @@ def test_inquisitive_questions_name_one_cell_it_does_not_know_and_it_answers_que
     asked = f"Partner: [message] What is the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}?"
     reply = _act(player, asked)
     assert f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}: {SCENARIO.view(0)[r][p]}." in reply
+
+
+def test_cooperative_answers_a_proposal_before_sharing_its_values():
+    """Facing a proposal on its first turn (no-talk proposes at once), cooperative must accept or
+    reject: a message there is invalid, and three of them used to end every such game."""
+    from selfplay.evaluate import evaluate_scripted
+
+    s = evaluate_scripted(("no-talk", "cooperative"), num_games=30, seed=7, n=3)
+    assert s["invalid_action_rate"] == 0.0 and s["agreement_rate"] > 0.8

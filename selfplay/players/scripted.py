@@ -185,7 +185,9 @@ class Cooperative(ScriptedPlayer):
         return np.where(np.isnan(merged), fill, merged)
 
     def decide(self) -> str:
-        if self.next_row < self.n:
+        # a pending proposal must be answered first (the rules allow nothing else), even before
+        # this seat has shared its values: it is judged on what the seat knows so far
+        if self.next_row < self.n and self.pending is None:
             rows = range(self.next_row, min(self.n, self.next_row + self.rows_per_message))
             self.next_row = rows.stop
             text = format_values(self.view, rows)
