@@ -147,6 +147,57 @@ PartnerKeyEnvOption = Annotated[
     str,
     typer.Option(help="openai partner: NAME of the environment variable with the key."),
 ]
+TemperatureOption = Annotated[
+    float,
+    typer.Option(envvar="TEMPERATURE", min=0.0, help="Sampling temperature (0: greedy)."),
+]
+MaxNewTokensOption = Annotated[int, typer.Option(min=1, help="Tokens per action at most.")]
+MaxActionsOption = Annotated[
+    int,
+    typer.Option(
+        envvar="MAX_LENGTH", min=1, help="Actions per game; a game that reaches it ends unagreed."
+    ),
+]
+MaxInvalidOption = Annotated[
+    int, typer.Option(min=1, help="Consecutive invalid actions of one seat that end a game.")
+]
+TableSizeOption = Annotated[
+    int, typer.Option(min=3, max=8, help="Table size n (n reviewers x n papers).")
+]
+ConcurrencyOption = Annotated[
+    int | None, typer.Option(min=1, help="Games in flight at most (default: all of them).")
+]
+SeedOption = Annotated[
+    int, typer.Option(min=0, help="Run seed: scenarios, sampling and shuffling derive from it.")
+]
+GamesPerScenarioOption = Annotated[
+    int,
+    typer.Option(min=2, help="Games per scenario: a GRPO group compares them (at least 2)."),
+]
+ValFractionOption = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        max=0.99,
+        help="Share of scenarios (by hash) written to val.parquet instead of train.parquet; "
+        "training never reads them, so 0 (the default) trains on every game.",
+    ),
+]
+MaxLengthOption = Annotated[
+    int, typer.Option(min=2, help="Rows with more prompt + response tokens are left out.")
+]
+LrOption = Annotated[float, typer.Option(help="Learning rate (AdamW).")]
+BatchSizeOption = Annotated[
+    int | None,
+    typer.Option(envvar="TRAIN_BATCH_SIZE", min=1, help="Rows per step (default: all rows)."),
+]
+MicroBatchOption = Annotated[
+    int,
+    typer.Option(envvar="MICRO_BATCH_SIZE", min=1, help="Rows per forward/backward per device."),
+]
+KlCoefOption = Annotated[
+    float, typer.Option(min=0.0, help="KL loss weight against the starting model (0: none).")
+]
 
 
 def _tracked(logger: str, cfg, prefix: str, run, show):
@@ -229,7 +280,7 @@ def eval_cmd(
     games_per_scenario: int = typer.Option(1, min=1, help="Games per scenario (needs sampling)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0: greedy, deterministic."),
     top_p: TopPOption = 1.0,
-    max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
+    max_new_tokens: MaxNewTokensOption = 256,
     baselines: str = typer.Option(
         "cooperative,no-talk,random", help="Scripted baseline rows (comma-separated; '' for none)."
     ),
@@ -253,9 +304,9 @@ def eval_cmd(
         None, min=1, help="Scripted pair mode: games, one fresh scenario each (default 200)."
     ),
     seed: int = typer.Option(7, min=0, help="Eval seed: picks the held-out scenarios (odd seeds)."),
-    table_size: int = typer.Option(8, min=3, max=8, help="Table size n (n reviewers, n papers)."),
+    table_size: TableSizeOption = 8,
     max_actions: int = typer.Option(30, min=1, help="Actions per game before it ends unagreed."),
-    max_invalid: int = typer.Option(3, min=1, help="Consecutive invalid actions that end a game."),
+    max_invalid: MaxInvalidOption = 3,
     out: Path | None = typer.Option(
         None,
         help="Models: output folder (eval.json, eval.md, PNGs, games/; default data/eval or "
@@ -445,26 +496,22 @@ def train(
         "checkpoints/$EXP_NAME, else checkpoints/generate).",
     ),
     epochs: int = typer.Option(1, help="Passes over the rows."),
-    lr: float = typer.Option(1e-6, help="Learning rate (AdamW)."),
-    batch_size: int | None = typer.Option(
-        None, envvar="TRAIN_BATCH_SIZE", help="Rows per step (default: all rows)."
-    ),
+    lr: LrOption = 1e-6,
+    batch_size: BatchSizeOption = None,
     mini_batch_size: int | None = typer.Option(
         None, help="Rows per optimizer update (default: the batch size)."
     ),
-    micro_batch_size: int = typer.Option(
-        4, envvar="MICRO_BATCH_SIZE", help="Rows per forward/backward per device."
-    ),
+    micro_batch_size: MicroBatchOption = 4,
     loss_agg: LossAggOption = "token-mean",
     std_norm: bool = typer.Option(True, "--std-norm/--no-std-norm", help="GRPO std division."),
-    kl_coef: float = typer.Option(0.0, help="KL loss weight against the starting model."),
+    kl_coef: KlCoefOption = 0.0,
     rollout_is: str = typer.Option(
         "none", help="none: actor log-probs only; tis: truncated IS vs the rollout log-probs."
     ),
     gpus: int = typer.Option(0, help="GPUs per node (0: CPU, in-process)."),
     ray_address: str | None = typer.Option(None, help="Existing Ray cluster to run on."),
     nodes: int = typer.Option(1, help="Nodes of that Ray cluster."),
-    seed: int = typer.Option(0, help="Seed for shuffling and the engine."),
+    seed: SeedOption = 0,
     resume_from: Path | None = typer.Option(None, help="verl checkpoint dir to resume from."),
     logger: LoggerOption = "",
 ) -> None:
@@ -545,7 +592,7 @@ def sft_cmd(
     ),
     clone: str = typer.Option("both", help="teacher: the seats to clone: both, 1 or 2."),
     num_games: int = typer.Option(1000, min=1, help="teacher: games to play and clone."),
-    table_size: int = typer.Option(3, min=3, max=8, help="teacher: table size n (n x n)."),
+    table_size: TableSizeOption = 3,
     games: Path | None = typer.Option(
         None, help="Clone our own games: a games.jsonl (filtered by --min-reward)."
     ),
@@ -556,15 +603,15 @@ def sft_cmd(
         "through our rules (rendering policy: selfplay.human).",
     ),
     epochs: int = typer.Option(1, min=1, help="Passes over the rows."),
-    lr: float = typer.Option(1e-4, min=0.0, help="Learning rate (AdamW)."),
+    lr: LrOption = 1e-4,
     mini_batch_size: int = typer.Option(8, min=1, help="Rows per optimizer update."),
-    micro_batch_size: int = typer.Option(4, min=1, help="Rows per forward/backward per device."),
+    micro_batch_size: MicroBatchOption = 4,
     dtype: str | None = typer.Option(
         None, help="Compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."
     ),
-    max_length: int = typer.Option(4096, min=2, help="Rows with more tokens are left out."),
+    max_length: MaxLengthOption = 4096,
     gpus: int = typer.Option(0, min=0, help="GPUs per node (0: CPU, in-process)."),
-    seed: int = typer.Option(0, min=0, help="Seed of the teacher's scenarios and the shuffling."),
+    seed: SeedOption = 0,
     logger: LoggerOption = "",
 ) -> None:
     """Behaviour cloning: fine-tune on token-exact teacher rows with verl's SFT loss."""
@@ -617,16 +664,16 @@ def generate(
     engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
     engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
     health_timeout: HealthTimeoutOption = 900.0,
-    temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
+    temperature: TemperatureOption = 0.7,
     top_p: TopPOption = 1.0,
-    max_new_tokens: int = typer.Option(256, min=1, help="Tokens per action at most."),
-    max_actions: int = typer.Option(30, envvar="MAX_LENGTH", min=1, help="Actions per game."),
-    max_invalid: int = typer.Option(3, min=1, help="Consecutive invalid actions that end a game."),
-    seed: int = typer.Option(0, min=0, help="Run seed: scenarios and sampling derive from it."),
+    max_new_tokens: MaxNewTokensOption = 256,
+    max_actions: MaxActionsOption = 30,
+    max_invalid: MaxInvalidOption = 3,
+    seed: SeedOption = 0,
     round: int = typer.Option(0, "--round", min=0, help="Iteration round (part of every seed)."),
-    concurrency: int | None = typer.Option(None, min=1, help="Games in flight. Default: all."),
-    games_per_scenario: int = typer.Option(4, min=1, help="Games per scenario (a GRPO group)."),
-    table_size: int = typer.Option(8, min=3, max=8, help="Table size n."),
+    concurrency: ConcurrencyOption = None,
+    games_per_scenario: GamesPerScenarioOption = 4,
+    table_size: TableSizeOption = 8,
     partner: PartnerOption = "self",
     policy_seat: PolicySeatOption = 1,
     partner_base_url: PartnerBaseUrlOption = None,
@@ -743,8 +790,8 @@ def convert(
         "scenario",
         help="GRPO groups: scenario (all games of a scenario, both seats) or scenario-seat.",
     ),
-    val_fraction: float = typer.Option(0.05, help="Share of scenarios held out (by hash)."),
-    max_length: int = typer.Option(4096, help="Drop rows with more prompt+response tokens."),
+    val_fraction: ValFractionOption = 0.0,
+    max_length: MaxLengthOption = 4096,
     keep_degenerate: bool = typer.Option(
         False, "--keep-degenerate", help="Keep groups whose rewards are all equal (no signal)."
     ),
@@ -806,8 +853,12 @@ def convert(
 @app.command("iterate")
 def iterate_cmd(
     iterations: int = typer.Option(5, envvar="NUM_ITERATIONS", min=1, help="Rounds in total."),
-    games_per_iter: int = typer.Option(200, envvar="GAMES_PER_ITER", min=2),
-    epochs_per_iter: int = typer.Option(1, envvar="EPOCHS_PER_ITER", min=1),
+    games_per_iter: int = typer.Option(
+        200, envvar="GAMES_PER_ITER", min=2, help="Games generated per round."
+    ),
+    epochs_per_iter: int = typer.Option(
+        1, envvar="EPOCHS_PER_ITER", min=1, help="Passes over a round's rows."
+    ),
     model: str | None = typer.Option(
         None,
         envvar=["INITIAL_MODEL", "MODEL_NAME"],
@@ -818,7 +869,7 @@ def iterate_cmd(
     ),
     data_root: Path = typer.Option(Path("data"), help="Where data/NAME goes."),
     checkpoint_root: Path = typer.Option(Path("checkpoints"), help="Where checkpoints/NAME goes."),
-    seed: int = typer.Option(0, min=0),
+    seed: SeedOption = 0,
     engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
     engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
     health_timeout: HealthTimeoutOption = 900.0,
@@ -828,13 +879,14 @@ def iterate_cmd(
     sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
     tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
     mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
-    temperature: float = typer.Option(0.7, envvar="TEMPERATURE", min=0.0),
+    temperature: TemperatureOption = 0.7,
     top_p: TopPOption = 1.0,
-    max_new_tokens: int = typer.Option(256, min=1),
-    max_actions: int = typer.Option(30, envvar="MAX_LENGTH", min=1),
-    games_per_scenario: int = typer.Option(4, min=2, help="Games per scenario (a GRPO group)."),
-    concurrency: int | None = typer.Option(None, min=1),
-    table_size: int = typer.Option(8, min=3, max=8),
+    max_new_tokens: MaxNewTokensOption = 256,
+    max_actions: MaxActionsOption = 30,
+    max_invalid: MaxInvalidOption = 3,
+    games_per_scenario: GamesPerScenarioOption = 4,
+    concurrency: ConcurrencyOption = None,
+    table_size: TableSizeOption = 8,
     partner: PartnerOption = "self",
     policy_seat: PolicySeatOption = 1,
     partner_base_url: PartnerBaseUrlOption = None,
@@ -843,8 +895,8 @@ def iterate_cmd(
         None, min=1, help="openai partner: paid calls per round at most (cached answers are free)."
     ),
     group_by: str = typer.Option("scenario", help="scenario or scenario-seat."),
-    val_fraction: float = typer.Option(0.0, min=0.0, max=0.99),
-    max_length: int = typer.Option(4096, min=2, help="Rows longer than this are dropped."),
+    val_fraction: ValFractionOption = 0.0,
+    max_length: MaxLengthOption = 4096,
     keep_degenerate: bool = typer.Option(
         False,
         help="Write groups whose rewards are all equal too (advantage 0: they add no gradient, "
@@ -856,16 +908,16 @@ def iterate_cmd(
         help="Reward -P (instead of 0) for the seat whose invalid actions ended a game; its "
         "partner keeps 0.",
     ),
-    lr: float = typer.Option(1e-6),
-    batch_size: int | None = typer.Option(None, envvar="TRAIN_BATCH_SIZE"),
+    lr: LrOption = 1e-6,
+    batch_size: BatchSizeOption = None,
     mini_batch_size: int | None = typer.Option(
         None, help="Rows per optimizer update (default: a round's rows / --updates-per-round)."
     ),
     updates_per_round: int = typer.Option(
         4, min=1, help="Optimizer updates per round when --mini-batch-size is not given."
     ),
-    micro_batch_size: int = typer.Option(4, envvar="MICRO_BATCH_SIZE"),
-    kl_coef: float = typer.Option(0.0),
+    micro_batch_size: MicroBatchOption = 4,
+    kl_coef: KlCoefOption = 0.0,
     entropy_coef: float = typer.Option(0.0, min=0.0, help="Entropy bonus in the GRPO loss."),
     loss_agg: LossAggOption = "token-mean",
     dtype: str | None = typer.Option(
@@ -943,6 +995,7 @@ def iterate_cmd(
             concurrency=concurrency,
             table_size=table_size,
             max_actions=max_actions,
+            max_invalid=max_invalid,
             partner=partner,
             policy_seat=policy_seat,
             partner_base_url=partner_base_url,

@@ -87,7 +87,7 @@ class ConvertConfig(BaseModel):
     games: Path = Field(description="games.jsonl to read")
     out: Path = Field(description="directory for train.parquet, val.parquet, convert_summary.json")
     group_by: GroupBy = GroupBy.SCENARIO
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # training never reads val rows
     max_length: int = Field(4096, ge=2, description="rows with more prompt+response tokens drop")
     keep_degenerate: bool = False
     # a seat whose invalid actions ended the game (outcome "invalid") gets -invalid_penalty
