@@ -147,6 +147,13 @@ PartnerKeyEnvOption = Annotated[
     str,
     typer.Option(help="openai partner: NAME of the environment variable with the key."),
 ]
+EngineOption = Annotated[str, typer.Option(help="hf (transformers in-process) or sglang.")]
+EngineUrlOption = Annotated[
+    str | None, typer.Option(help="sglang: attach to a running server (or router) at this URL.")
+]
+SGLangPythonOption = Annotated[str, typer.Option(help="sglang: the Python that has sglang.")]
+TpSizeOption = Annotated[int, typer.Option(min=1, help="sglang: tensor-parallel size.")]
+MemFractionOption = Annotated[float | None, typer.Option(help="sglang: --mem-fraction-static.")]
 TemperatureOption = Annotated[
     float,
     typer.Option(envvar="TEMPERATURE", min=0.0, help="Sampling temperature (0: greedy)."),
@@ -252,6 +259,34 @@ def bad_option(e: ValidationError, rename: dict[str, str] | None = None) -> type
 # --- commands are added below, one function each -------------------------------------------
 
 
+def _eval_engine(
+    engine, url, health_timeout, python, tp_size, mem_fraction, device, max_batch_size
+) -> dict:
+    """eval's engine options: the default hf engine's device and batch, or an SGLang template
+    (each evaluated model is loaded into it)."""
+    from selfplay.engines import SGLangEngineConfig
+
+    if url and engine != "sglang":
+        raise fail("--engine-url attaches to an SGLang server: add --engine sglang")
+    if engine == "hf":
+        return {"device": device, "max_batch_size": max_batch_size}
+    if engine != "sglang":
+        raise fail(f"--engine must be hf or sglang, got {engine!r}")
+    try:
+        return {
+            "engine": SGLangEngineConfig(
+                model="(each evaluated model)",
+                url=url,
+                startup_timeout_s=health_timeout,
+                python=python,
+                tp_size=tp_size,
+                mem_fraction=mem_fraction,
+            )
+        }
+    except ValidationError as e:
+        raise bad_option(e) from None
+
+
 @app.command("eval")
 def eval_cmd(
     models: list[str] = typer.Option(
@@ -288,6 +323,12 @@ def eval_cmd(
         False, "--cross-play", help="Also play every ordered pair of models; matrix and gaps."
     ),
     concurrency: int | None = typer.Option(None, min=1, help="Games in flight per row."),
+    engine: EngineOption = "hf",
+    engine_url: EngineUrlOption = None,
+    health_timeout: HealthTimeoutOption = 900.0,
+    sglang_python: SGLangPythonOption = "python",
+    tp_size: TpSizeOption = 1,
+    mem_fraction: MemFractionOption = None,
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
     max_batch_size: MaxBatchOption = 64,
     human_data: Path | None = typer.Option(
@@ -322,6 +363,10 @@ def eval_cmd(
     of --players (default cooperative,cooperative) on --num-games scenarios.
     """
     names = [m.strip() for item in models for m in item.split(",") if m.strip()]
+    where = _eval_engine(
+        engine, engine_url, health_timeout, sglang_python, tp_size, mem_fraction, device,
+        max_batch_size,
+    )  # fmt: skip
     if not names and run is None:
         if num_scenarios is not None or cross_play or partner is not None:
             raise fail("--num-scenarios, --partner and --cross-play need --models or --run")
@@ -359,8 +404,7 @@ def eval_cmd(
             baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
             cross_play=cross_play,
             concurrency=concurrency,
-            device=device,
-            max_batch_size=max_batch_size,
+            **where,
             human_data=human_data,
         ),
         sampling=dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens),
@@ -661,8 +705,8 @@ def generate(
     model: str | None = typer.Option(
         None, envvar="MODEL_NAME", help="HF id or local dir. Default: embedded SmolLM2-135M."
     ),
-    engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
-    engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
+    engine: EngineOption = "hf",
+    engine_url: EngineUrlOption = None,
     health_timeout: HealthTimeoutOption = 900.0,
     temperature: TemperatureOption = 0.7,
     top_p: TopPOption = 1.0,
@@ -686,10 +730,10 @@ def generate(
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1 (default: cuda if any)."),
     max_batch_size: MaxBatchOption = 64,
     prefix_cache_tokens: PrefixCacheOption = None,
-    sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
+    sglang_python: SGLangPythonOption = "python",
     sglang_port: int = typer.Option(30000, help="sglang: port of the launched server."),
-    tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
-    mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
+    tp_size: TpSizeOption = 1,
+    mem_fraction: MemFractionOption = None,
     sglang_arg: list[str] = typer.Option(
         [], help="sglang: extra server flag, repeatable (--sglang-arg=--random-seed=1)."
     ),
@@ -870,15 +914,15 @@ def iterate_cmd(
     data_root: Path = typer.Option(Path("data"), help="Where data/NAME goes."),
     checkpoint_root: Path = typer.Option(Path("checkpoints"), help="Where checkpoints/NAME goes."),
     seed: SeedOption = 0,
-    engine: str = typer.Option("hf", help="hf (transformers in-process) or sglang."),
-    engine_url: str | None = typer.Option(None, help="Attach to a running SGLang server."),
+    engine: EngineOption = "hf",
+    engine_url: EngineUrlOption = None,
     health_timeout: HealthTimeoutOption = 900.0,
     device: str | None = typer.Option(None, help="hf: cpu, cuda, cuda:1."),
     max_batch_size: MaxBatchOption = 64,
     prefix_cache_tokens: PrefixCacheOption = None,
-    sglang_python: str = typer.Option("python", help="sglang: the Python that has sglang."),
-    tp_size: int = typer.Option(1, min=1, help="sglang: tensor-parallel size."),
-    mem_fraction: float | None = typer.Option(None, help="sglang: --mem-fraction-static."),
+    sglang_python: SGLangPythonOption = "python",
+    tp_size: TpSizeOption = 1,
+    mem_fraction: MemFractionOption = None,
     temperature: TemperatureOption = 0.7,
     top_p: TopPOption = 1.0,
     max_new_tokens: MaxNewTokensOption = 256,

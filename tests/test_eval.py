@@ -467,3 +467,23 @@ def test_eval_through_an_attached_sglang_server(sglang_url, tiny_model, other_mo
     assert sg_games == hf_games  # token for token
     for a, b in zip(sg_lp, hf_lp):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_eval_cli_through_sglang(sglang_url, tiny_model, tmp_path):
+    """`selfplay eval --engine sglang --engine-url URL`: the model is played through the server."""
+    out = tmp_path / "ev"
+    args = [
+        "eval", "--models", str(tiny_model), "--engine", "sglang", "--engine-url", sglang_url,
+        "--num-scenarios", "2", "--table-size", "3", "--max-actions", "4",
+        "--max-new-tokens", "24", "--baselines", "", "--out", str(out),
+    ]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "eval.json").read_text())
+    assert result["config"]["engine"]["kind"] == "sglang"
+    assert result["config"]["engine"]["url"] == sglang_url
+    (row,) = [r for r in result["rows"] if r["kind"] == "model"]
+    assert row["games"] == 2 and row["error"] is None
+    # an engine URL without --engine sglang is refused, as in generate and iterate
+    bad = CliRunner().invoke(app, [*args[:3], "--engine-url", sglang_url, "--out", str(out)])
+    assert bad.exit_code == 1 and "add --engine sglang" in bad.output
