@@ -65,7 +65,7 @@ from selfplay.engines import (
     open_engine,
 )
 from selfplay.errors import UserError
-from selfplay.metrics import classify_question, mean_ci, summarize
+from selfplay.metrics import GameSummary, classify_question, mean_ci, summarize
 from selfplay.partners import PartnerOptions
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.players.scripted import SCRIPTED_NAMES, make_scripted
@@ -144,7 +144,7 @@ def play_scripted(
 def evaluate_scripted(players: tuple[str, str], **kwargs) -> dict:
     """Summary (see metrics.summarize) of scripted games plus the pair that played them."""
     summary = summarize(play_scripted(players, **kwargs))
-    return {"players": list(players), **kwargs, **summary}
+    return {"players": list(players), **kwargs, **summary.model_dump(exclude={"partner"})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,10 +346,10 @@ NOT_IN_ROW = frozenset(
 )
 
 
-def summary_fields(summary: dict) -> dict:
+def summary_fields(summary: GameSummary) -> dict:
     """The EvalRow fields of a ``metrics.summarize`` result (NaN becomes None). Every key is a
     row field or in ``NOT_IN_ROW``; any other key raises, so a new metric is never dropped."""
-    fields = {k: v for k, v in summary.items() if k not in NOT_IN_ROW}
+    fields = summary.model_dump(exclude={*NOT_IN_ROW, "partner"})
     unknown = sorted(fields.keys() - EvalRow.model_fields.keys())
     if unknown:
         raise TypeError(

@@ -887,7 +887,7 @@ def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
     summary = summarize(iter_game_records(games))
     train = rnd.stages["train"]
     return {
-        **summary,
+        **summary.model_dump(exclude={"partner"}),
         "model": rnd.model,
         "train": train.info or None,
         "skip_reason": train.skip_reason,

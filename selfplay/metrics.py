@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 from scipy import stats
 
 from selfplay.game.protocol import Outcome
@@ -32,13 +33,37 @@ def mean_ci(values: Iterable[float], confidence: float = 0.95) -> tuple[float, f
     return mean, mean - half, mean + half
 
 
-def summarize(records: Iterable[GameRecord]) -> dict:
-    """Summary of a set of games. Keys (documented in README):
+NAN = math.nan
 
-    games, reward_mean, reward_ci_low, reward_ci_high, reward_std, agreement_rate,
-    mean_actions, mean_words, invalid_action_rate, optimal_rate, outcomes {outcome: count}, and the
-    question statistics of ``_question_summary``.
-    """
+
+class GameSummary(BaseModel):
+    """The statistics of a set of games (``summarize``): what generate prints, every eval row and
+    every metrics.jsonl line carry. NaN where a statistic is undefined (no games; a constant)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    games: int = 0
+    reward_mean: float = NAN
+    reward_ci_low: float = NAN  # 95% Student-t interval of the mean
+    reward_ci_high: float = NAN
+    reward_std: float = NAN
+    agreement_rate: float = NAN
+    mean_actions: float = NAN
+    mean_words: float = NAN  # words of valid [message] turns per game
+    invalid_action_rate: float = NAN  # invalid actions / all actions
+    optimal_rate: float = NAN  # accepted at the best assignment's score
+    questions_per_game: float = NAN  # both seats, direct and general
+    direct_questions_per_game: float = NAN  # naming one reviewer and one paper
+    general_questions_per_game: float = NAN
+    questions_per_game_seat0: float = NAN
+    questions_per_game_seat1: float = NAN
+    question_reward_corr: float = NAN  # Pearson r of a game's questions and its reward
+    outcomes: dict[str, int] = {}
+    partner: dict[str, int | float] | None = None  # generate with an API partner: its usage
+
+
+def summarize(records: Iterable[GameRecord]) -> GameSummary:
+    """Summary of a set of games (``GameSummary``, documented in README)."""
     summary = Summary()
     for r in records:
         summary.add(r)
@@ -67,25 +92,25 @@ class Summary:
         self._optimal.append(r.outcome == Outcome.ACCEPTED and r.score == r.scenario.best)
         self._outcomes[str(r.outcome)] += 1
 
-    def result(self) -> dict:
+    def result(self) -> GameSummary:
         rewards, actions, outcomes = self._rewards, self._actions, self._outcomes
         n = len(rewards)
         mean, lo, hi = mean_ci(rewards)
         total_actions = sum(actions)
-        return {
-            "games": n,
-            "reward_mean": mean,
-            "reward_ci_low": lo,
-            "reward_ci_high": hi,
-            "reward_std": float(np.std(rewards, ddof=1)) if n > 1 else 0.0,
-            "agreement_rate": outcomes[Outcome.ACCEPTED.value] / n if n else math.nan,
-            "mean_actions": float(np.mean(actions)) if n else math.nan,
-            "mean_words": float(np.mean(self._words)) if n else math.nan,
-            "invalid_action_rate": sum(self._invalid) / total_actions if total_actions else 0.0,
-            "optimal_rate": float(np.mean(self._optimal)) if n else math.nan,
+        return GameSummary(
+            games=n,
+            reward_mean=mean,
+            reward_ci_low=lo,
+            reward_ci_high=hi,
+            reward_std=float(np.std(rewards, ddof=1)) if n > 1 else 0.0,
+            agreement_rate=outcomes[Outcome.ACCEPTED.value] / n if n else math.nan,
+            mean_actions=float(np.mean(actions)) if n else math.nan,
+            mean_words=float(np.mean(self._words)) if n else math.nan,
+            invalid_action_rate=sum(self._invalid) / total_actions if total_actions else 0.0,
+            optimal_rate=float(np.mean(self._optimal)) if n else math.nan,
             **_question_summary(self._qcounts, rewards),
-            "outcomes": dict(outcomes),
-        }
+            outcomes=dict(outcomes),
+        )
 
 
 def question_counts(record: GameRecord) -> dict[str, int]:

@@ -43,7 +43,7 @@ from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.errors import UserError
 from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
-from selfplay.metrics import Summary
+from selfplay.metrics import GameSummary, Summary
 from selfplay.players.api import (
     ApiPartnerConfig,
     PartnerCallCap,
@@ -302,7 +302,7 @@ async def generate_games(
     """Play every planned game not yet in OUT/games.jsonl; return the run's stats and summary.
 
     An ``openai:MODEL`` partner needs ``partner_client`` (``run_generate`` opens one); the caller
-    closes it. Its usage goes into ``summary["partner"]``.
+    closes it. Its usage goes into ``summary.partner``.
     """
     seats = generate_seating(config, engine, chat, partner_client)  # checks the partner client
     if existing is None:
@@ -381,7 +381,7 @@ async def generate_games(
         summary.add(record)
     result = summary.result()
     if partner_client is not None:
-        result["partner"] = partner_client.usage.as_dict()
+        result = result.model_copy(update={"partner": partner_client.usage.as_dict()})
     return GenerateResult(config.games_path, stats, result)
 
 
@@ -463,18 +463,18 @@ def summary_table(result: GenerateResult):
         ("generated tokens/s", f"{st.tokens_per_s:.1f}"),
         (
             "reward mean [95% CI]",
-            f"{s['reward_mean']:.3f} [{s['reward_ci_low']:.3f}, {s['reward_ci_high']:.3f}]",
+            f"{s.reward_mean:.3f} [{s.reward_ci_low:.3f}, {s.reward_ci_high:.3f}]",
         ),
-        ("agreement rate", f"{s['agreement_rate']:.3f}"),
-        ("optimal rate", f"{s['optimal_rate']:.3f}"),
-        ("mean actions", f"{s['mean_actions']:.1f}"),
-        ("mean words", f"{s['mean_words']:.1f}"),
-        ("invalid action rate", f"{s['invalid_action_rate']:.3f}"),
-        ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))),
+        ("agreement rate", f"{s.agreement_rate:.3f}"),
+        ("optimal rate", f"{s.optimal_rate:.3f}"),
+        ("mean actions", f"{s.mean_actions:.1f}"),
+        ("mean words", f"{s.mean_words:.1f}"),
+        ("invalid action rate", f"{s.invalid_action_rate:.3f}"),
+        ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items()))),
         ("questions per game (seat 1 / seat 2)", _questions(s)),
     ]
-    if "partner" in s:
-        p = s["partner"]
+    if s.partner is not None:
+        p = s.partner
         rows += [
             ("partner calls / cache hits / retries", f"{p['calls']} / {p['cache_hits']} / "
              f"{p['retries']}"),
@@ -485,8 +485,8 @@ def summary_table(result: GenerateResult):
     return table
 
 
-def _questions(s: dict) -> str:
+def _questions(s: GameSummary) -> str:
     return (
-        f"{s['questions_per_game']:.2f} ({s['questions_per_game_seat0']:.2f} / "
-        f"{s['questions_per_game_seat1']:.2f})"
+        f"{s.questions_per_game:.2f} ({s.questions_per_game_seat0:.2f} / "
+        f"{s.questions_per_game_seat1:.2f})"
     )

@@ -85,7 +85,7 @@ def test_end_to_end_tiny_model_records_are_token_exact(tiny_model, tmp_path):
     result = run_generate(cfg, HFEngineConfig(model=str(tiny_model), device="cpu"))
     records = read(cfg.games_path)
     assert len(records) == 8 == len({r.game_id for r in records}) == result.stats.played
-    assert result.summary["games"] == 8
+    assert result.summary.games == 8
     chat = load_chat_format(str(tiny_model))
     for r in records:
         # the random tiny model emits garbage: games end as data, never as a crash
@@ -167,7 +167,7 @@ def test_valid_games_end_accepted_and_keep_exact_tokens(tiny_model, tmp_path, ch
         assert r.outcome == Outcome.ACCEPTED and r.reward > 0
         assert [a.kind for a in r.actions] == ["message", "message", "propose", "accept"]
         check_tokens(r, chat)
-    assert result.summary["agreement_rate"] == 1.0
+    assert result.summary.agreement_rate == 1.0
     assert result.stats.generated_tokens > 0
     # a scripted partner in seat 2 has no tokens; the LLM seat still does
     cfg2 = config(tmp_path / "partner", tiny_model, num_games=2, partner="cooperative")
@@ -196,14 +196,15 @@ def test_resume_keeps_finished_games_drops_a_torn_line_and_never_duplicates(
     assert engine.requests == 4 * 4  # only the missing games were played (4 actions each)
     # the summary covers the kept games and the new ones, each once, as a fresh read would
     fresh = summarize(records)
-    assert result.summary.pop("outcomes") == fresh.pop("outcomes")
-    assert result.summary == pytest.approx(fresh, nan_ok=True)
+    got, want = result.summary.model_dump(), fresh.model_dump()
+    assert got.pop("outcomes") == want.pop("outcomes")
+    assert got == pytest.approx(want, nan_ok=True)
     for r in records[:6]:  # finished games are untouched
         assert r == first[r.game_id]
     again = PolicyEngine(chat, 3)
     result = play(config(out, tiny_model, num_games=10), again)
     assert again.requests == 0 and result.stats.played == 0
-    assert result.summary["games"] == 10
+    assert result.summary.games == 10
     assert len(read(out / "games.jsonl")) == 10
 
 

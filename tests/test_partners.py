@@ -264,8 +264,8 @@ def test_scripted_shy_partner_in_either_seat(tmp_path, chat, policy_seat):
     # the question metrics see the model's seat asking one direct question per game
     s = result.summary
     # (the shy seat's "I don't know the score for ..." also reads as a question to the detector)
-    assert s[f"questions_per_game_seat{seat}"] == 1.0
-    assert s["games"] == 4 and s["questions_per_game"] == summarize(records)["questions_per_game"]
+    assert getattr(s, f"questions_per_game_seat{seat}") == 1.0
+    assert s.games == 4 and s.questions_per_game == summarize(records).questions_per_game
     # convert makes rows for the model's seat only
     conv = convert(
         ConvertConfig(games=cfg.games_path, out=tmp_path / "rows", val_fraction=0.0,
@@ -330,10 +330,10 @@ def test_api_partner_sends_the_shy_persona_retries_429_and_counts(tmp_path, chat
         assert r.outcome == Outcome.ACCEPTED
         assert r.seats[1].kind == "api" and r.seats[1].name == MODEL
         check_trained_seat(r, 0, chat)
-    usage = result.summary["partner"]
+    usage = result.summary.partner
     assert usage["calls"] == 4 and usage["retries"] == 2 and usage["cache_hits"] == 0
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
-    assert result.summary["questions_per_game_seat0"] == 1.0
+    assert result.summary.questions_per_game_seat0 == 1.0
 
 
 def test_api_partner_moves_first_with_policy_seat_2(tmp_path, chat, key):
@@ -355,8 +355,8 @@ def test_cache_replays_a_repeated_run_without_new_requests(tmp_path, chat, key, 
         cfg = _api(out, standin.url, num_games=4, games_per_scenario=2)
         first = play(cfg, chat)
         paid = len(standin.requests)
-        assert paid == 4 and first.summary["partner"]["calls"] == 4
-        assert first.summary["partner"]["cache_hits"] + first.summary["partner"]["shared"] == 4
+        assert paid == 4 and first.summary.partner["calls"] == 4
+        assert first.summary.partner["cache_hits"] + first.summary.partner["shared"] == 4
         records = _without_timings(read(cfg.games_path))
         # repeat the run from scratch, with a torn line at the end of the cache
         (out / "games.jsonl").unlink()
@@ -366,8 +366,8 @@ def test_cache_replays_a_repeated_run_without_new_requests(tmp_path, chat, key, 
             again = play(cfg, chat)
         assert "torn" in caplog.text
         assert len(standin.requests) == paid  # the stand-in saw nothing new
-    assert again.summary["partner"]["calls"] == 0
-    assert again.summary["partner"]["cache_hits"] == 8
+    assert again.summary.partner["calls"] == 0
+    assert again.summary.partner["cache_hits"] == 8
     assert _without_timings(read(cfg.games_path)) == records
 
 

@@ -84,10 +84,10 @@ def test_counts_per_seat_and_kind_and_correlation():
     }  # fmt: skip
     assert question_counts(b)["seat1_direct"] == 2
     s = summarize([a, b, c])
-    assert s["questions_per_game"] == pytest.approx(4 / 3)
-    assert s["direct_questions_per_game"] == pytest.approx(1.0)
-    assert s["general_questions_per_game"] == pytest.approx(1 / 3)
-    assert s["questions_per_game_seat0"] == pytest.approx(1 / 3)
-    assert s["questions_per_game_seat1"] == pytest.approx(1.0)
-    assert -1.0 <= s["question_reward_corr"] <= 1.0
-    assert math.isnan(summarize([c, c])["question_reward_corr"])
+    assert s.questions_per_game == pytest.approx(4 / 3)
+    assert s.direct_questions_per_game == pytest.approx(1.0)
+    assert s.general_questions_per_game == pytest.approx(1 / 3)
+    assert s.questions_per_game_seat0 == pytest.approx(1 / 3)
+    assert s.questions_per_game_seat1 == pytest.approx(1.0)
+    assert -1.0 <= s.question_reward_corr <= 1.0
+    assert math.isnan(summarize([c, c]).question_reward_corr)

@@ -131,7 +131,9 @@ def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     games = play_scripted(("cooperative", "cooperative"), num_games=3, seed=0, n=3)
-    (run / "metrics.jsonl").write_bytes(orjson.dumps({"round": 0, **summarize(games)}) + b"\n")
+    (run / "metrics.jsonl").write_bytes(
+        orjson.dumps({"round": 0, **summarize(games).model_dump()}) + b"\n"
+    )
     (run / "manifest.json").write_text(json.dumps({"config": {"table_size": 3}}))
     seen = []
     monkeypatch.setattr(report, "baseline_rewards", lambda n: seen.append(n) or {"random": 0.5})

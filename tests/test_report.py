@@ -21,7 +21,7 @@ def test_report_from_a_run_directory(tmp_path):
         (run / f"round_{k}").mkdir(parents=True)
         append_records(run / f"round_{k}" / "games.jsonl", games)
         train = {"pg_loss": 0.01, "kl": None, "clip_frac": 0.1, "tokens_per_s": 100.0}
-        lines.append(orjson.dumps({"round": k, **summarize(games), "train": train}))
+        lines.append(orjson.dumps({"round": k, **summarize(games).model_dump(), "train": train}))
     (run / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     baselines = {"cooperative": 0.9, "no-talk": 0.8, "random": 0.6}
     out = write_report(run, n=3, baselines=baselines)
