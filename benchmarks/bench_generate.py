@@ -82,7 +82,7 @@ def part_a(model: Path, tmp: Path, latencies: list[float]) -> list[tuple]:
                 model, tmp / f"a-{mode}-{lat}", games=256, latency=lat, mode=mode
             )
             ideal = 30 * lat
-            assert result.stats.played == 256 and result.summary["mean_actions"] == 30
+            assert result.stats.played == 256 and result.summary.mean_actions == 30
             what = f"{batches} batches" if mode == "serial" else "continuous batching"
             rows.append(
                 (
