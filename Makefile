@@ -5,7 +5,7 @@
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
 # model evaluated greedily on the same 16 held-out scenarios; the report: data/demo/REPORT.md.
 # Re-running resumes (a finished run only rewrites the report).
-DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:40 \
+DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:32 \
 	--warm-start-lr 2e-4 --dtype bf16 --iterations 2 --games-per-iter 12 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
 	--eval-scenarios 16 --micro-batch-size 4
