@@ -44,16 +44,16 @@ from pydantic import (
     model_validator,
 )
 
-from selfplay import partners
 from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
 from selfplay.engines import HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
-from selfplay.generate_config import GenerateConfig
+from selfplay.generate_config import GenerateConfig, GenerateOptions, PlayOptions
 from selfplay.locks import folder_lock
-from selfplay.metrics import summarize
+from selfplay.metrics import HeldOut, RoundMetrics, summarize
 from selfplay.model_card import git_commit
+from selfplay.partners import PartnerOptions
 from selfplay.records import SamplingParams, iter_game_records
-from selfplay.train.config import LossAgg, TrainConfig
+from selfplay.train.config import MaxLength, TrainConfig, TrainerOptions
 
 log = logging.getLogger(__name__)
 
@@ -76,30 +76,20 @@ class IterateError(UserError, ValueError):
     """The run cannot go on as asked (conflicting config, missing artifact); says what to do."""
 
 
-class TrainOptions(BaseModel):
+class TrainOptions(TrainerOptions):
     """The train-stage options that stay the same every round (data, model and out vary)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    lr: float = Field(1e-6, gt=0.0)
-    batch_size: int | None = Field(None, ge=1)
-    mini_batch_size: int | None = Field(None, ge=1)
-    # without a mini-batch size, a round's rows are split into this many optimizer updates
-    updates_per_round: int = Field(4, ge=1)
-    micro_batch_size: int = Field(4, ge=1)
-    loss_agg: LossAgg = "token-mean"
-    std_norm: bool = True
-    kl_coef: float = Field(0.0, ge=0.0)
-    entropy_coef: float = Field(0.0, ge=0.0)
-    dtype: Literal["fp32", "bf16"] | None = None
-    # verl's checkpoint (weights + optimizer state, ~4x the model) of which rounds to keep: none,
-    # the last trained round's, or all. The HF model of every round is always kept; it is what the
-    # next round starts from, so a resume works whatever is kept (a killed train starts over).
-    keep_checkpoints: Literal["none", "last", "all"] = "none"
-    rollout_is: Literal["none", "tis"] = "none"
-    gpus: int = Field(0, ge=0)
-    ray_address: str | None = None
-    nodes: int = Field(1, ge=1)  # nodes of the Ray cluster (gpus per node)
+    updates_per_round: int = Field(
+        4, ge=1, description="Optimizer updates per round when --mini-batch-size is not given."
+    )
+    # The HF model of every round is always kept; it is what the next round starts from, so a
+    # resume works whatever is kept (a killed train starts over).
+    keep_checkpoints: Literal["none", "last", "all"] = Field(
+        "none",
+        description="verl's checkpoint (weights + optimizer state, about 4x the model) of which "
+        "rounds to keep: none, last or all. Each round's HF model is always kept; resume needs "
+        "only it.",
+    )
 
     @model_validator(mode="after")
     def _cluster(self) -> TrainOptions:
@@ -110,45 +100,93 @@ class TrainOptions(BaseModel):
         return self
 
 
-class IterateConfig(partners.PartnerOptions):  # partner_max_calls: per round
-    """Everything one run needs; stored in the manifest and compared on every resume."""
+class ConvertOptions(BaseModel):
+    """How a round's games become training rows (``selfplay convert``'s options that iterate
+    shares; to move beside ``ConvertConfig``, which should inherit it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    iterations: int = Field(ge=1)
-    model: str  # the initial model: a local HF directory or an HF id
-    games_per_iter: int = Field(200, ge=2)
-    epochs_per_iter: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0)
-    data_root: Path = Path("data")
-    checkpoint_root: Path = Path("checkpoints")
-    # generate
-    engine: HFEngineConfig | SGLangEngineConfig  # its model is replaced every round
-    sampling: SamplingParams = SamplingParams()
-    games_per_scenario: int = Field(4, ge=2)
-    concurrency: int | None = Field(None, ge=1)
-    table_size: int = Field(8, ge=3, le=8)
-    max_actions: int = Field(30, ge=1)
-    max_invalid: int = Field(3, ge=1)
-    # convert
-    group_by: GroupBy = GroupBy.SCENARIO
-    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    max_length: int = Field(4096, ge=2)
-    keep_degenerate: bool = False
-    invalid_penalty: float = Field(0.0, ge=0.0)
-    # train
+    group_by: GroupBy = Field(
+        GroupBy.SCENARIO,
+        description="GRPO groups: scenario (all games of a scenario, both seats) or scenario-seat.",
+    )
+    val_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of scenarios (by hash) written to val.parquet instead of "
+        "train.parquet; training never reads them, so 0 (the default) trains on every game.",
+    )
+    max_length: MaxLength = 4096
+    keep_degenerate: bool = Field(
+        False,
+        description="Write groups whose rewards are all equal too (advantage 0: they add no "
+        "gradient, and a round with nothing else still skips its update).",
+    )
+    # a per-seat format penalty, as in SPIRAL
+    invalid_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="Reward -P (instead of 0) for the seat whose invalid actions ended a game; "
+        "its partner keeps 0.",
+    )
+
+
+class IterateConfig(GenerateOptions, ConvertOptions):
+    """Everything one run needs; stored in the manifest and compared on every resume.
+
+    Per round: ``GenerateOptions`` (sampling, play, partner; partner_max_calls is per round),
+    ``ConvertOptions`` and ``train`` are passed on to that stage's config as they are."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Run name: data/NAME, checkpoints/NAME.",
+        json_schema_extra={"envvar": "EXP_NAME"},
+    )
+    iterations: int = Field(
+        ge=1, description="Rounds in total.", json_schema_extra={"envvar": "NUM_ITERATIONS"}
+    )
+    model: str = Field(description="The initial model: a local HF directory or an HF id.")
+    games_per_iter: int = Field(
+        200,
+        ge=2,
+        description="Games generated per round.",
+        json_schema_extra={"envvar": "GAMES_PER_ITER"},
+    )
+    epochs_per_iter: int = Field(
+        1,
+        ge=1,
+        description="Passes over a round's rows.",
+        json_schema_extra={"envvar": "EPOCHS_PER_ITER"},
+    )
+    data_root: Path = Field(Path("data"), description="Where data/NAME goes.")
+    checkpoint_root: Path = Field(Path("checkpoints"), description="Where checkpoints/NAME goes.")
+    engine: HFEngineConfig | SGLangEngineConfig = Field(
+        description="The engine of every generate stage; its model is replaced every round."
+    )
+    games_per_scenario: int = Field(
+        4, ge=2, description="Games per scenario: a GRPO group compares them (at least 2)."
+    )
     train: TrainOptions = TrainOptions()
-    # warm start before round 0: None, "scripted:NAME:GAMES" (behaviour cloning) or a model dir
-    warm_start: str | None = None
-    warm_start_lr: float = Field(1e-4, gt=0.0)
-    warm_start_epochs: int = Field(1, ge=1)
-    warm_start_mini_batch_size: int = Field(4, ge=1)
-    # held-out evaluation of every round's model (greedy; 0 scenarios: none)
-    eval_scenarios: int = Field(30, ge=0)
-    eval_seed: int = Field(7, ge=0)
-    # experiment trackers (verl's names: console, tensorboard, wandb, mlflow, ...)
-    loggers: tuple[str, ...] = ()
+    warm_start: str | None = Field(
+        None,
+        description="Before round 0: scripted:NAME:GAMES (behaviour cloning of a scripted policy "
+        "on GAMES games, e.g. scripted:cooperative:400) or a model dir to start from.",
+    )
+    warm_start_lr: float = Field(1e-4, gt=0.0, description="Warm start: SFT learning rate.")
+    warm_start_epochs: int = Field(1, ge=1, description="Warm start: passes over its rows.")
+    warm_start_mini_batch_size: int = Field(
+        4, ge=1, description="Warm start: rows per optimizer update."
+    )
+    eval_scenarios: int = Field(
+        30, ge=0, description="Held-out scenarios each round's model plays greedily (0: none)."
+    )
+    eval_seed: int = Field(7, ge=0, description="Picks the held-out scenarios.")
+    loggers: tuple[str, ...] = Field(
+        (), description="Experiment trackers, as verl names them: console, tensorboard, wandb..."
+    )
 
     @field_validator("loggers")
     @classmethod
@@ -240,25 +278,6 @@ class RoundRecord(BaseModel):
     stages: dict[str, StageRecord] = {}
     metrics: dict[str, Any] | None = None
     tracked: bool = False  # sent to the experiment trackers
-
-
-class HeldOut(BaseModel):
-    """A model's greedy games on the run's fixed held-out scenarios (never training scenarios)."""
-
-    model: str
-    games: int
-    reward_mean: float | None
-    reward_ci_low: float | None
-    reward_ci_high: float | None
-    agreement_rate: float | None
-    invalid_action_rate: float | None
-    questions_per_game: float | None
-    direct_questions_per_game: float | None
-    general_questions_per_game: float | None
-    mean_actions: float | None
-    outcomes: dict[str, int] = {}
-    seconds: float = 0.0
-    path: str | None = None  # the evaluation's folder (games/model-model.jsonl, baselines)
 
 
 class Manifest(BaseModel):
@@ -371,12 +390,9 @@ class Run:
         held = self.manifest.heldout
         lines = [
             orjson.dumps(
-                {
-                    "round": k,
-                    **r.metrics,
-                    "heldout": _dump(held.get(k)),
-                    "heldout_after": _dump(held.get(k + 1)),
-                }
+                RoundMetrics(
+                    round=k, **r.metrics, heldout=held.get(k), heldout_after=held.get(k + 1)
+                ).model_dump(mode="json")
             )
             for k, r in sorted(self.manifest.rounds.items())
             if r.metrics is not None
@@ -500,17 +516,11 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
             out=cfg.warm_start_dir,
             teacher=f"scripted:{name}",
             num_games=games,
-            table_size=cfg.table_size,
-            max_actions=cfg.max_actions,
-            seed=cfg.seed,
             lr=cfg.warm_start_lr,
             epochs=cfg.warm_start_epochs,
             mini_batch_size=cfg.warm_start_mini_batch_size,
-            dtype=cfg.train.dtype,
-            micro_batch_size=cfg.train.micro_batch_size,
-            max_length=cfg.max_length,
-            gpus=cfg.train.gpus,
-            ray_address=cfg.train.ray_address,
+            **cfg.model_dump(include={"table_size", "max_actions", "seed", "max_length"}),
+            **cfg.train.model_dump(include={"dtype", "micro_batch_size", "gpus", "ray_address"}),
         )
     )
     losses = [s.loss for s in result.steps]
@@ -576,15 +586,14 @@ def _heldout_eval(
             models=(ModelSpec(label="model", model=model),),
             num_scenarios=cfg.eval_scenarios,
             seed=cfg.eval_seed,
-            table_size=cfg.table_size,
-            max_actions=cfg.max_actions,
-            max_invalid=cfg.max_invalid,
             sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
             # inquisitive: the asking reference, the upper bound beside a shy partner
             baselines=(*BASELINES, "inquisitive") if baselines else (),
             **where,
             out=out,
-            **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
+            **cfg.model_dump(
+                include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)
+            ),
         )
     )
     fields = set(HeldOut.model_fields) - {"model"}
@@ -681,14 +690,8 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             num_games=cfg.games_per_iter,
             model=model,
             games_per_scenario=cfg.games_per_scenario,
-            concurrency=cfg.concurrency,
-            seed=cfg.seed,
             round=k,
-            table_size=cfg.table_size,
-            max_actions=cfg.max_actions,
-            max_invalid=cfg.max_invalid,
-            sampling=cfg.sampling,
-            **cfg.model_dump(include=set(partners.PartnerOptions.model_fields)),
+            **cfg.model_dump(include=set(GenerateOptions.model_fields)),
         )
         log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
         info = {}
@@ -704,11 +707,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
         conv_cfg = ConvertConfig(
             games=rdir / "games.jsonl",
             out=rdir,
-            group_by=cfg.group_by,
-            val_fraction=cfg.val_fraction,
-            max_length=cfg.max_length,
-            keep_degenerate=cfg.keep_degenerate,
-            invalid_penalty=cfg.invalid_penalty,
+            **cfg.model_dump(include=set(ConvertOptions.model_fields)),
         )
         try:
             summary = convert(conv_cfg)
@@ -743,7 +742,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             if out.exists():  # a train killed mid-way: its output never counted
                 log.warning("round %d: removing the unfinished checkpoint %s", k, out)
                 shutil.rmtree(out)
-            options = cfg.train.model_dump(exclude={"updates_per_round", "keep_checkpoints"})
+            options = cfg.train.model_dump(include=set(TrainerOptions.model_fields))
             options["save_verl_checkpoint"] = cfg.train.keep_checkpoints != "none"
             if options["mini_batch_size"] is None and options["batch_size"] is None:
                 rows = rnd.stages["convert"].info.get("rows_train", 0)

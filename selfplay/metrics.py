@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from scipy import stats
 
 from selfplay.game.protocol import Outcome
@@ -162,3 +163,47 @@ def _question_summary(qcounts: list[dict[str, int]], rewards: list[float]) -> di
         "questions_per_game_seat1": float(seat[1].mean()),
         "question_reward_corr": corr,
     }
+
+
+class HeldOut(BaseModel):
+    """A model's greedy games on the run's fixed held-out scenarios (never training scenarios)."""
+
+    model: str
+    games: int
+    reward_mean: float | None
+    reward_ci_low: float | None
+    reward_ci_high: float | None
+    agreement_rate: float | None
+    invalid_action_rate: float | None
+    questions_per_game: float | None
+    direct_questions_per_game: float | None
+    general_questions_per_game: float | None
+    mean_actions: float | None
+    outcomes: dict[str, int] = {}
+    seconds: float = 0.0
+    path: str | None = None  # the evaluation's folder (games/model-model.jsonl, baselines)
+
+
+class RoundMetrics(GameSummary):
+    """One line of a run's metrics.jsonl: the round's training games (``GameSummary``), its
+    training, stage times and memory, and the held-out results of the model it started from
+    (``heldout``) and of the one it produced (``heldout_after``). Written by iterate, read by the
+    report; a statistic JSON holds as null reads back as NaN."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    round: int
+    model: str | None = None
+    train: dict[str, Any] | None = None  # means over the round's optimizer steps, updates, rss
+    skip_reason: str | None = None
+    seconds: dict[str, float] = {}  # per stage
+    rss_mb: dict[str, float | None] = {}  # the loop's own and each stage's peak
+    heldout: HeldOut | None = None
+    heldout_after: HeldOut | None = None
+
+    @field_validator(
+        *[k for k, f in GameSummary.model_fields.items() if f.annotation is float], mode="before"
+    )
+    @classmethod
+    def _null_is_nan(cls, v):
+        return NAN if v is None else v

@@ -15,9 +15,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 import orjson
+from pydantic import ValidationError
 
 from selfplay.errors import UserError
 from selfplay.evaluate import BASELINES, HUMAN_REFERENCE, evaluate_scripted
+from selfplay.metrics import RoundMetrics
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +28,29 @@ class ReportError(UserError, ValueError):
     """A run directory without metrics to report."""
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
+def _fmt(x, fmt: str = ".3f") -> str:
+    """A table cell: blank for a missing or undefined (NaN) statistic."""
+    return "" if x is None or x != x else format(x, fmt)
+
+
+def read_metrics(run_dir: str | Path) -> list[RoundMetrics]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ReportError(f"{path} does not exist: run `selfplay iterate` for this run first")
     try:
-        rows = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-    except orjson.JSONDecodeError as e:
+        rows = [
+            RoundMetrics.model_validate(orjson.loads(line))
+            for line in path.read_bytes().splitlines()
+            if line.strip()
+        ]
+    except (orjson.JSONDecodeError, ValidationError) as e:
         raise ReportError(
             f"{path} has a corrupt line ({e}); it is rewritten from the manifest by re-running "
             "the run's `selfplay iterate` command"
         ) from None
     if not rows:
         raise ReportError(f"{path} has no finished round yet")
-    return sorted(rows, key=lambda r: r["round"])
+    return sorted(rows, key=lambda r: r.round)
 
 
 def baseline_rewards(n: int = 8, num_games: int = 50, seed: int = 0) -> dict[str, float]:
@@ -52,12 +63,12 @@ def baseline_rewards(n: int = 8, num_games: int = 50, seed: int = 0) -> dict[str
 
 def _line_plot(rows, key, title, ylabel, path, *, ci=None, hlines=None) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    rounds = [r["round"] for r in rows]
-    values = [r.get(key) for r in rows]
+    rounds = [r.round for r in rows]
+    values = [getattr(r, key) for r in rows]
     ax.plot(rounds, values, marker="o", color="tab:blue", label="model")
     if ci is not None:
-        lo = [r.get(ci[0]) for r in rows]
-        hi = [r.get(ci[1]) for r in rows]
+        lo = [getattr(r, ci[0]) for r in rows]
+        hi = [getattr(r, ci[1]) for r in rows]
         ax.fill_between(rounds, lo, hi, color="tab:blue", alpha=0.2, label="95% CI")
     for i, (label, value) in enumerate((hlines or {}).items()):
         ax.axhline(value, linestyle="--", color=f"C{i + 1}", label=f"{label} ({value:.3f})")
@@ -98,8 +109,8 @@ def _heldout_plot(
     ax.plot(ks, mean, marker="o", color="tab:blue", label="held-out (greedy)")
     ax.fill_between(ks, lo, hi, color="tab:blue", alpha=0.2, label="held-out 95% CI")
     ax.plot(
-        [r["round"] for r in rows],
-        [r.get("reward_mean") for r in rows],
+        [r.round for r in rows],
+        [r.reward_mean for r in rows],
         marker="s",
         color="tab:gray",
         alpha=0.7,
@@ -126,13 +137,13 @@ def _heldout_plot(
 
 def _questions_plot(rows, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    rounds = [r["round"] for r in rows]
+    rounds = [r.round for r in rows]
     for key, label in (
         ("questions_per_game", "all"),
         ("direct_questions_per_game", "direct (reviewer + paper)"),
         ("general_questions_per_game", "general"),
     ):
-        ax.plot(rounds, [r.get(key) for r in rows], marker="o", label=label)
+        ax.plot(rounds, [getattr(r, key) for r in rows], marker="o", label=label)
     ax.set(xlabel="round", ylabel="questions per game", title="Questions per game")
     ax.set_xticks(rounds)
     ax.grid(alpha=0.3)
@@ -179,8 +190,7 @@ def _heldout_table(manifest: dict) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
 
-    def f(x, fmt=".3f"):
-        return "" if x is None else format(x, fmt)
+    f = _fmt
 
     def line(name: str, h: dict) -> str:
         return (
@@ -247,10 +257,10 @@ def _reward_vs_questions(run_dir: Path, rows, path: Path) -> Path | None:
 
     points = []
     for r in rows:
-        games = run_dir / f"round_{r['round']}" / "games.jsonl"
+        games = run_dir / f"round_{r.round}" / "games.jsonl"
         if games.exists():
             for g in iter_game_records(games):
-                points.append((r["round"], sum(questions_by_seat(g)), g.reward))
+                points.append((r.round, sum(questions_by_seat(g)), g.reward))
     if not points:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
@@ -343,22 +353,21 @@ def write_report(
     )
     md.append("|---" * 14 + "|")
     for r in rows:
-        t = r.get("train") or {}
+        t = r.train or {}
 
-        def f(x, fmt=".3f"):
-            return "" if x is None else format(x, fmt)
+        f = _fmt
 
         md.append(
-            f"| {r['round']} | {r.get('games', '')} | {f(r.get('reward_mean'))} "
-            f"[{f(r.get('reward_ci_low'))}, {f(r.get('reward_ci_high'))}] "
-            f"| {f(r.get('agreement_rate'))} | {f(r.get('mean_actions'), '.2f')} "
-            f"| {f(r.get('mean_words'), '.1f')} | {f(r.get('invalid_action_rate'))} "
-            f"| {f(r.get('questions_per_game'), '.2f')} "
-            f"({f(r.get('direct_questions_per_game'), '.2f')}) "
-            f"| {f(r.get('question_reward_corr'), '.2f')} | {f(t.get('pg_loss'), '.4f')} "
+            f"| {r.round} | {r.games} | {f(r.reward_mean)} "
+            f"[{f(r.reward_ci_low)}, {f(r.reward_ci_high)}] "
+            f"| {f(r.agreement_rate)} | {f(r.mean_actions, '.2f')} "
+            f"| {f(r.mean_words, '.1f')} | {f(r.invalid_action_rate)} "
+            f"| {f(r.questions_per_game, '.2f')} "
+            f"({f(r.direct_questions_per_game, '.2f')}) "
+            f"| {f(r.question_reward_corr, '.2f')} | {f(t.get('pg_loss'), '.4f')} "
             f"| {f(t.get('kl'), '.4f')} | {f(t.get('clip_frac'), '.3f')} "
             f"| {f(t.get('tokens_per_s'), '.0f')} "
-            f"| {'skipped: ' + r['skip_reason'] if r.get('skip_reason') else 'trained'} |"
+            f"| {'skipped: ' + r.skip_reason if r.skip_reason else 'trained'} |"
         )
     md.append("")
     md.append(
