@@ -39,3 +39,22 @@ def test_report_without_metrics_is_a_clear_error(tmp_path):
         write_report(tmp_path)
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 1 and "selfplay iterate" in result.output
+
+
+def test_metrics_lines_are_read_as_round_metrics(tmp_path):
+    import math
+
+    from selfplay.metrics import RoundMetrics
+    from selfplay.report import ReportError, read_metrics
+
+    (tmp_path / "metrics.jsonl").write_bytes(
+        orjson.dumps({"round": 1, "games": 2, "reward_mean": None}) + b"\n"
+        + orjson.dumps({"round": 0, "games": 3, "reward_mean": 0.5}) + b"\n"
+    )  # fmt: skip
+    rows = read_metrics(tmp_path)
+    assert all(isinstance(r, RoundMetrics) for r in rows)
+    assert [r.round for r in rows] == [0, 1] and math.isnan(rows[1].reward_mean)
+    # a misspelt statistic is not silently dropped
+    (tmp_path / "metrics.jsonl").write_bytes(orjson.dumps({"round": 0, "reward_meen": 1}) + b"\n")
+    with pytest.raises(ReportError, match=r"metrics\.jsonl"):
+        read_metrics(tmp_path)
