@@ -2,14 +2,17 @@
 
 The engine's own config (``selfplay.engines.EngineConfig``) is separate: the runner never sees it.
 The partner options (``selfplay.partners``) are stored canonicalised; an API partner's key is
-never a field, only the name of the environment variable that holds it.
+never a field, only the name of the environment variable that holds it. ``PlayOptions`` (how a
+game is played) and ``GenerateOptions`` (what a run plays) are the option groups that iterate's
+config is composed of too; each field's ``description`` is its command-line help.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay import partners
 from selfplay.game.matching import MAX_N, MIN_N
@@ -34,21 +37,56 @@ IDENTITY_FIELDS = (
 ADDED_LATER = {"policy_seat": 1, "partner_base_url": None}
 
 
-class GenerateConfig(partners.PartnerOptions):
+TableSize = Annotated[
+    int, Field(ge=MIN_N, le=MAX_N, description="Table size n (n reviewers x n papers).")
+]
+
+
+class PlayOptions(BaseModel):
+    """How one game is played: its table and its limits."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    out: Path
-    num_games: int = Field(ge=1)
-    model: str  # what the seats are recorded as playing (a path or an HF id)
-    games_per_scenario: int = Field(4, ge=1)
-    concurrency: int | None = Field(None, ge=1)  # None: every missing game at once
-    seed: int = Field(0, ge=0)
-    round: int = Field(0, ge=0)
-    table_size: int = Field(8, ge=MIN_N, le=MAX_N)
-    max_actions: int = Field(30, ge=1)
-    max_invalid: int = Field(3, ge=1)
+    table_size: TableSize = 8
+    max_actions: int = Field(
+        30,
+        ge=1,
+        description="Actions per game; a game that reaches it ends unagreed.",
+        json_schema_extra={"envvar": "MAX_LENGTH"},
+    )
+    max_invalid: int = Field(
+        3, ge=1, description="Consecutive invalid actions of one seat that end a game."
+    )
+
+
+class GenerateOptions(partners.PartnerOptions, PlayOptions):
+    """The games one generate run (or one round of iterate) plays, and how they are sampled."""
+
     sampling: SamplingParams = SamplingParams()
-    partner_concurrency: int = Field(8, ge=1)  # partner requests in flight at most
+    concurrency: int | None = Field(
+        None, ge=1, description="Games in flight at most (default: all of them)."
+    )
+    seed: int = Field(
+        0, ge=0, description="Run seed: scenarios, sampling and shuffling derive from it."
+    )
+
+
+class GenerateConfig(GenerateOptions):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    out: Path = Field(description="Output folder (games.jsonl).")
+    num_games: int = Field(
+        ge=1, description="Games in total.", json_schema_extra={"envvar": "NUM_GAMES"}
+    )
+    model: str = Field(description="What the seats are recorded as playing (a path or an HF id).")
+    games_per_scenario: int = Field(
+        4,
+        ge=1,
+        description="Games per scenario: convert's GRPO groups compare them (1 suits games "
+        "for sft --games, not GRPO; iterate needs at least 2).",
+    )
+    round: int = Field(0, ge=0, description="Iteration round (part of every seed).")
+    partner_concurrency: int = Field(8, ge=1, description="Partner requests in flight at most.")
 
     @property
     def games_path(self) -> Path:

@@ -121,7 +121,7 @@ class ConvertOptions(BaseModel):
     keep_degenerate: bool = Field(
         False,
         description="Write groups whose rewards are all equal too (advantage 0: they add no "
-        "gradient, and a round with nothing else still skips its update).",
+        "gradient; an iterate round with nothing else still skips its update).",
     )
     # a per-seat format penalty, as in SPIRAL
     invalid_penalty: float = Field(

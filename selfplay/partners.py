@@ -126,12 +126,30 @@ class PartnerOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # None: self-play; a scripted name ("shy"); "openai:MODEL" (canonical form, see above)
-    partner: str | None = None
-    policy_seat: Literal[1, 2] = 1  # the model's seat with a partner (2: the partner moves first)
-    partner_base_url: str | None = None  # openai partners; None: the default endpoint
-    partner_key_env: str = DEFAULT_KEY_ENV  # the variable's NAME; the key is never stored
-    partner_max_calls: int | None = Field(None, ge=1)  # paid partner calls in one run at most
+    # stored canonical (see above): None for self-play, a scripted name ("shy"), "openai:MODEL"
+    partner: str | None = Field(
+        None,
+        description="Who plays the other seat: self (the default), scripted:NAME (cooperative, "
+        "no-talk, shy, random; a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat "
+        "model, shy persona).",
+    )
+    policy_seat: Literal[1, 2] = Field(
+        1, description="The model's seat with a partner: 1, or 2 (the partner moves first)."
+    )
+    partner_base_url: str | None = Field(
+        None, description=f"openai partner: the endpoint (default {DEFAULT_BASE_URL})."
+    )
+    partner_key_env: str = Field(
+        DEFAULT_KEY_ENV,
+        description="openai partner: NAME of the environment variable with the key (the key "
+        "itself is never stored).",
+    )
+    partner_max_calls: int | None = Field(
+        None,
+        ge=1,
+        description="openai partner: paid calls at most per run, per round in iterate (cached "
+        "answers are free).",
+    )
 
     @field_validator("partner")
     @classmethod

@@ -35,10 +35,17 @@ class RecordError(UserError, ValueError):
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(0.7, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(256, ge=1)
-    seed: int | None = None
+    temperature: float = Field(
+        0.7,
+        ge=0.0,
+        description="Sampling temperature (0: greedy).",
+        json_schema_extra={"envvar": "TEMPERATURE"},
+    )
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the top tokens of this mass."
+    )
+    max_new_tokens: int = Field(256, ge=1, description="Tokens per action at most.")
+    seed: int | None = Field(None, description="The request's sampling seed (set per turn).")
 
 
 class SeatConfig(BaseModel):

@@ -34,7 +34,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
+from selfplay.generate_config import TableSize
 from selfplay.records import GameRecord, append_records, iter_game_records
+from selfplay.train.config import (
+    ComputeDtype,
+    Epochs,
+    Gpus,
+    LearningRate,
+    MaxLength,
+    MicroBatchSize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +60,46 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(description="the model to fine-tune (HF directory or id)")
-    out: Path = Field(description="output directory: the new HF model, metrics.json, sft_data/")
+    model: str = Field(description="The model to fine-tune (HF directory or id).")
+    out: Path = Field(description="Output: the new HF model dir, metrics.json, sft_data/.")
     # sources
-    teacher: str | None = Field(None, description="scripted:NAME, a policy to clone")
-    partner: str | None = Field(None, description="the other seat's scripted policy (= teacher)")
-    clone: Literal["both", "1", "2"] = Field("both", description="which seats' turns to clone")
-    num_games: int = Field(1000, ge=1, description="teacher games to play")
-    table_size: int = Field(3, ge=3, le=8)
-    max_actions: int = Field(30, ge=1)
-    games: Path | None = Field(None, description="games.jsonl of our own games to clone")
-    min_reward: float = Field(0.0, description="keep games with at least this reward")
-    human_data: Path | None = Field(
-        None, description="DialOp optimization.jsonl: clone both seats of the human games"
+    teacher: str | None = Field(
+        None,
+        description="Clone a scripted policy: scripted:NAME (cooperative, no-talk, shy, random).",
     )
-    seed: int = Field(0, ge=0)
+    partner: str | None = Field(
+        None,
+        description="teacher: the other seat's scripted policy when one seat is cloned (default: "
+        "the teacher).",
+    )
+    clone: Literal["both", "1", "2"] = Field(
+        "both", description="teacher: the seats to clone: both, 1 or 2."
+    )
+    num_games: int = Field(1000, ge=1, description="teacher: games to play and clone.")
+    table_size: TableSize = 3
+    max_actions: int = Field(30, ge=1, description="teacher: actions per game at most.")
+    games: Path | None = Field(
+        None, description="Clone our own games: a games.jsonl (filtered by --min-reward)."
+    )
+    min_reward: float = Field(0.0, description="games: keep games with at least this reward.")
+    human_data: Path | None = Field(
+        None,
+        description="Clone both seats of the DialOp human games (optimization.jsonl, 8x8), "
+        "replayed through our rules (rendering policy: selfplay.human).",
+    )
+    seed: int = Field(
+        0, ge=0, description="Seed: the teacher games' scenarios and the row order derive from it."
+    )
     # training
-    epochs: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0.0)
-    mini_batch_size: int = Field(8, ge=1, description="rows per optimizer update")
-    micro_batch_size: int = Field(4, ge=1)
-    max_length: int = Field(4096, ge=2, description="rows with more tokens are left out")
-    dtype: Literal["fp32", "bf16"] | None = None
-    gpus: int = Field(0, ge=0)
-    ray_address: str | None = None
-    save_verl_checkpoint: bool = False
+    epochs: Epochs = 1
+    lr: LearningRate = 1e-4
+    mini_batch_size: int = Field(8, ge=1, description="Rows per optimizer update.")
+    micro_batch_size: MicroBatchSize = 4
+    max_length: MaxLength = 4096
+    dtype: ComputeDtype = None
+    gpus: Gpus = 0
+    ray_address: str | None = Field(None, description="Train on this Ray cluster.")
+    save_verl_checkpoint: bool = Field(False, description="Also write verl's checkpoint.")
 
     @model_validator(mode="after")
     def _sources(self) -> SFTConfig:

@@ -1,4 +1,4 @@
-"""Tests of `selfplay convert`: games.jsonl -> GRPO training rows (selfplay/convert.py)."""
+"""Tests of `selfplay convert`: games.jsonl -> GRPO training rows (selfplay/convert/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pyarrow.parquet as pq
 import pytest
@@ -24,6 +25,13 @@ from selfplay.convert import (
     convert,
     group_id,
     is_val_scenario,
+)
+from selfplay.convert.rows import (
+    BadRecord,
+    RecordRows,
+    parse_record,
+    rows_of_json,
+    rows_of_record,
 )
 from selfplay.game import generate_scenario
 from selfplay.game.protocol import Outcome
@@ -374,6 +382,146 @@ def test_a_line_longer_than_the_read_buffer(tmp_path):
     assert (row["prompt_ids"], row["response_ids"]) == ([0], list(range(1, n)))
     assert row["rollout_logprobs"] == [-0.5] * (n - 1)
     assert s.length_total.max == n
+
+
+# ---------------------------------------------------------------------------------------------
+# the two readers: the fast one over parsed JSON and the typed one over GameRecord
+
+
+def plain_rows(result: RecordRows) -> tuple[list[dict], RecordRows]:
+    """A reader's result in comparable form: rows as dicts (arrays as dtype and values), counts."""
+    rows = [
+        {
+            k: (v.dtype.str, v.tolist()) if isinstance(v, np.ndarray) else v
+            for k, v in row._asdict().items()
+        }
+        for row in result.rows
+    ]
+    return rows, result._replace(rows=[])
+
+
+def both_readers(record: GameRecord, config: ConvertConfig) -> tuple:
+    """The rows of a record by the fast reader, checked to be those of the typed one."""
+    obj = orjson.loads(dump_record(record))
+    fast = plain_rows(rows_of_json(obj, config))
+    assert plain_rows(rows_of_record(parse_record(obj), config)) == fast
+    assert plain_rows(rows_of_record(record, config)) == fast
+    return fast
+
+
+def realistic_games(tok) -> list[GameRecord]:
+    """Self-play and partner games, both seats and rounds, an invalid ending, seats without tokens
+    or own tokens, a row over 100 tokens, ChatML tokens of a real tokenizer."""
+    api = SeatConfig(kind="api", name="gpt-4o-mini", trained=False)
+    invalid = [ActionRecord(seat=1, text="hm", kind="invalid", valid=False, error="tag")] * 3
+    texts = ["[message] Ava Li and BLEU: 120?", "[propose] Proposal:\nBLEU: Ava Li", "[accept]"]
+    actions = [
+        ActionRecord(seat=i % 2, text=t, kind="message", valid=True) for i, t in enumerate(texts)
+    ]
+    silent = SeatTokens(token_ids=[1, 2, 3], mask=[0, 0, 0], logprobs=[0.0] * 3)
+    return [
+        game("sp1", "A", 0.5),
+        game("sp2", "A", 1.0, round=1),
+        game("p0", "B", 0.25, seats=(LLM, FIXED)),
+        game("p1", "B", 0.75, seats=(api, LLM)),
+        game("inv", "A", 0.0, actions=invalid).model_copy(update={"outcome": Outcome.INVALID}),
+        game("none", "C", 0.5, tokens=(hand_tokens(0), None)),
+        game("quiet", "C", 0.2, tokens=(silent, hand_tokens(1, fingerprint=None))),
+        game("long", "C", 0.9, tokens=(hand_tokens(0, turns=25), hand_tokens(1))),
+        game(
+            "chat",
+            "D",
+            0.6,
+            tokens=tuple(chat_tokens(tok, s, actions, f"intro {s}") for s in (0, 1)),
+            actions=actions,
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"group_by": "scenario-seat", "invalid_penalty": 0.5},
+        {"max_length": 100, "invalid_penalty": 1.0},
+    ],
+)
+def test_the_fast_and_the_typed_reader_cut_the_same_rows(tiny_model, options):
+    from transformers import AutoTokenizer
+
+    config = ConvertConfig(games=Path("g"), out=Path("o"), **options)
+    results = [
+        both_readers(r, config) for r in realistic_games(AutoTokenizer.from_pretrained(tiny_model))
+    ]
+    rows = [row for found, _ in results for row in found]
+    counts = [c for _, c in results]
+    # the set covers what it should: both seats, rounds, partners' seats left out, every drop
+    assert {(r["seat"], r["round"]) for r in rows} == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    assert {r["game_id"] for r in rows if r["seat"] == 1} >= {"p1", "inv", "chat"}
+    assert "p0" not in {r["game_id"] for r in rows if r["seat"] == 1}
+    assert sum(c.no_tokens for c in counts) == 1 and sum(c.no_own for c in counts) == 1
+    assert sum(c.too_long for c in counts) == (1 if options.get("max_length") else 0)
+    penalty = options.get("invalid_penalty", 0.0)
+    inv = {r["seat"]: r["reward"] for r in rows if r["game_id"] == "inv"}
+    assert inv == {0: 0.0, 1: -penalty}
+    seat_keys = options.get("group_by") == "scenario-seat"
+    assert all(r["group_key"].endswith(f"/seat{r['seat']}") == seat_keys for r in rows)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=st.tuples(random_seat_tokens(), random_seat_tokens()), max_length=st.integers(2, 30))
+def test_the_readers_agree_on_random_token_layouts(pair, max_length):
+    config = ConvertConfig(games=Path("g"), out=Path("o"), max_length=max_length)
+    both_readers(game("g", "s", 0.5, tokens=pair), config)
+
+
+def test_a_nan_log_prob_in_memory_is_refused_as_its_json_is():
+    tokens = hand_tokens(0)
+    tokens.logprobs[4] = math.nan  # a GameRecord may hold it; its JSON says null
+    record = game("nan", "A", 0.5, tokens=(tokens, hand_tokens(1)))
+    config = ConvertConfig(games=Path("g"), out=Path("o"))
+    with pytest.raises(BadRecord, match="logprobs must be finite"):
+        rows_of_record(record, config)
+    with pytest.raises(BadRecord, match="logprobs must be finite"):
+        rows_of_json(orjson.loads(dump_record(record)), config)
+
+
+def break_seat0(field: str, index: int, value):
+    def change(obj: dict) -> None:
+        obj["tokens"][0][field][index] = value
+
+    return change
+
+
+# hand_tokens(0): the own tokens (mask 1) at 3, 4, 8, 9: the response is indices 3 to 9
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda obj: obj["tokens"][0]["mask"].pop(), id="misaligned"),
+        pytest.param(break_seat0("mask", 3, 2), id="mask-2"),
+        pytest.param(break_seat0("mask", 0, 1), id="no-prompt"),  # GameRecord allows it
+        pytest.param(break_seat0("token_ids", 0, "oops"), id="id-str"),
+        pytest.param(break_seat0("token_ids", 5, 2**31), id="id-int64"),  # GameRecord allows it
+        pytest.param(break_seat0("logprobs", 4, 1e39), id="logprob-f64"),  # GameRecord allows it
+        pytest.param(lambda obj: obj.pop("game_id"), id="no-game-id"),
+        pytest.param(lambda obj: obj["seats"].pop(), id="one-seat"),
+        pytest.param(lambda obj: obj.update(reward="high"), id="reward-str"),
+    ],
+)
+def test_a_malformed_record_is_refused_by_both_readers(tmp_path, change):
+    obj = orjson.loads(dump_record(game("bad", "A", 0.9)))
+    change(obj)
+    config = ConvertConfig(games=Path("g"), out=Path("o"))
+    with pytest.raises(BadRecord):
+        rows_of_json(obj, config)
+    with pytest.raises(BadRecord):
+        rows_of_record(parse_record(obj), config)
+    # and convert skips its line, with and without full validation
+    lines = [game("a1", "A", 0.2), orjson.dumps(obj) + b"\n", game("a2", "A", 0.8)]
+    games = write(tmp_path / "g.jsonl", lines)
+    for validate in (False, True):
+        s = convert(ConvertConfig(games=games, out=tmp_path / "o", validate_records=validate))
+        assert (s.games_read, s.lines_skipped, s.skipped[0][0]) == (2, 1, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -110,9 +110,9 @@ class HFEngineConfig(BaseModel):
 
     kind: Literal["hf"] = "hf"
     model: str
-    device: str | None = None  # None: cuda when available, else cpu
+    device: str | None = Field(None, description="cpu, cuda, cuda:1 (default: cuda if any).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_batch_size: int = Field(64, ge=1)
+    max_batch_size: int = Field(64, ge=1, description="requests decoded together at most.")
     # torch CPU threads (process-wide). None: all cores but one, which the games' event loop
     # needs; oversubscribed OpenMP threads made decoding 10-20x slower on a 2-core machine.
     cpu_threads: int | None = Field(None, ge=1)
@@ -120,7 +120,12 @@ class HFEngineConfig(BaseModel):
     # of its conversation prefills only the new tokens; the least recently kept go first. A token
     # costs 2 x layers x kv heads x head dim x dtype bytes: 46 KB for SmolLM2-135M in float32,
     # 57 KB for Qwen2.5-7B in bfloat16, so the default takes up to 3-4 GB for those models.
-    prefix_cache_tokens: int = Field(65536, ge=0)
+    prefix_cache_tokens: int = Field(
+        65536,
+        ge=0,
+        description="tokens of finished turns kept as KV cache, so a seat's next turn prefills "
+        "only its new tokens (0: off).",
+    )
 
 
 class SGLangEngineConfig(BaseModel):
@@ -128,15 +133,26 @@ class SGLangEngineConfig(BaseModel):
 
     kind: Literal["sglang"] = "sglang"
     model: str
-    url: str | None = None  # attach to a running server instead of launching one
-    python: str = "python"  # the interpreter that has sglang installed (it may be another venv)
+    url: str | None = Field(None, description="attach to a running server (or router) at this URL.")
+    python: str = Field(
+        "python", description="the Python that has sglang (it may be another venv)."
+    )
     host: str = "127.0.0.1"
-    port: int = Field(30000, ge=1, le=65535)
-    tp_size: int = Field(1, ge=1)
-    mem_fraction: float | None = Field(None, gt=0.0, le=1.0)
-    extra_args: tuple[str, ...] = ()
+    port: int = Field(30000, ge=1, le=65535, description="port of the launched server.")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size.")
+    mem_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="the launched server's --mem-fraction-static."
+    )
+    extra_args: tuple[str, ...] = Field(
+        (), description="extra server flag, repeatable (--sglang-arg=--random-seed=1)."
+    )
     log_path: str | None = None  # server stdout/stderr; None: a temporary file
-    startup_timeout_s: float = Field(900.0, gt=0)
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="seconds to wait for the server's /health (a launched server loads the "
+        "model first; an attached URL that refuses connections fails at once).",
+    )
     request_timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(4, ge=0)
     backoff_s: float = Field(1.0, ge=0)

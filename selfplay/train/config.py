@@ -4,12 +4,16 @@ Batch sizes count training rows (one row = one seat of one game):
 ``batch_size`` rows per step (their old log-probs are computed together), split into
 ``mini_batch_size`` rows per optimizer update, each processed ``micro_batch_size`` rows at a time
 per device (gradient accumulation).
+
+``TrainerOptions`` are the options ``selfplay train`` shares with every round of ``selfplay
+iterate``; the ``Annotated`` field types below it are shared with ``selfplay sft`` (its defaults
+are its own). Each field's ``description`` is its command-line help.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,54 +28,101 @@ KlType = Literal["k1", "abs", "k2", "k3", "low_var_kl", "mse"]
 RolloutIS = Literal["none", "tis"]
 
 
-class TrainConfig(BaseModel):
-    """Everything ``selfplay.train.train`` needs; nothing else."""
+# Fields that ``selfplay sft`` shares too, with its own defaults.
+LearningRate = Annotated[float, Field(gt=0.0, description="Learning rate (AdamW).")]
+Epochs = Annotated[int, Field(ge=1, description="Passes over the rows.")]
+MicroBatchSize = Annotated[
+    int,
+    Field(
+        ge=1,
+        description="Rows per forward/backward per device.",
+        json_schema_extra={"envvar": "MICRO_BATCH_SIZE"},
+    ),
+]
+ComputeDtype = Annotated[
+    Literal["fp32", "bf16"] | None,
+    Field(description="Compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."),
+]
+Gpus = Annotated[int, Field(ge=0, description="GPUs per node (0: CPU, in-process).")]
+MaxLength = Annotated[
+    int, Field(ge=2, description="Rows with more prompt + response tokens are left out.")
+]
+
+
+class TrainerOptions(BaseModel):
+    """The GRPO update and where it runs: the options ``selfplay train`` and every round of
+    ``selfplay iterate`` share."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: LearningRate = 1e-6
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per step (default: all rows).",
+        json_schema_extra={"envvar": "TRAIN_BATCH_SIZE"},
+    )
+    mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per optimizer update (default: the batch size; in iterate, a round's "
+        "rows / --updates-per-round).",
+    )
+    micro_batch_size: MicroBatchSize = 4
+    loss_agg: LossAgg = Field(
+        "token-mean",
+        description="How the GRPO loss averages tokens (verl's loss_agg_mode): token-mean (long "
+        "rows weigh more), seq-mean-token-mean (every row weighs the same), token-sum, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm.",
+    )
+    std_norm: bool = Field(True, description="Divide GRPO advantages by the group's std.")
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="KL loss weight against the starting model (0: none)."
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus in the GRPO loss.")
+    rollout_is: RolloutIS = Field(
+        "none",
+        description="none: actor log-probs only; tis: truncated importance sampling against the "
+        "rollout log-probs.",
+    )
+    dtype: ComputeDtype = None
+    gpus: Gpus = 0
+    ray_address: str | None = Field(
+        None,
+        description="Train on this Ray cluster (auto: the one this node joined); needs --gpus.",
+    )
+    nodes: int = Field(1, ge=1, description="Nodes of that Ray cluster (--gpus per node).")
+
+
+class TrainConfig(TrainerOptions):
+    """Everything ``selfplay.train.train`` needs; nothing else."""
 
     data: Path = Field(description="train.parquet written by `selfplay convert`")
     model: str = Field(description="HF model directory or id the rows' tokens were made with")
     out: Path = Field(description="output directory: the new HF model, verl checkpoint, metrics")
 
-    epochs: int = Field(1, ge=1)
-    lr: float = Field(1e-6, gt=0.0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    clip_grad: float = Field(1.0, gt=0.0)
-    batch_size: int | None = Field(None, ge=1, description="rows per step; None = all rows")
-    mini_batch_size: int | None = Field(
-        None, ge=1, description="rows per optimizer update; None = batch_size"
-    )
-    micro_batch_size: int = Field(4, ge=1, description="rows per forward/backward per device")
-    loss_agg: LossAgg = "token-mean"
-    std_norm: bool = Field(True, description="divide GRPO advantages by the group std")
-    clip_ratio: float = Field(0.2, gt=0.0, lt=1.0)
+    epochs: Epochs = 1
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
+    clip_grad: float = Field(1.0, gt=0.0, description="Gradient norm clipping.")
+    clip_ratio: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip ratio.")
     clip_ratio_high: float | None = Field(None, gt=0.0, description="None = clip_ratio")
-    kl_coef: float = Field(0.0, ge=0.0, description="KL loss weight vs the starting model")
-    kl_type: KlType = "low_var_kl"
-    entropy_coef: float = Field(0.0, ge=0.0)
-    rollout_is: RolloutIS = "none"
+    kl_type: KlType = Field("low_var_kl", description="verl's KL estimator.")
     tis_cap: float = Field(2.0, gt=1.0, description="truncation of the rollout IS weight")
 
-    gpus: int = Field(0, ge=0, description="0 = CPU; >= 1 = that many GPUs")
-    ray_address: str | None = Field(None, description="attach to this Ray cluster")
     launcher: Literal["auto", "local", "ray"] = Field(
         "auto", description="auto: in-process for CPU or 1 GPU, Ray otherwise"
-    )
-    nodes: int = Field(1, ge=1, description="nodes of the Ray cluster to use (gpus per node)")
-    dtype: Literal["fp32", "bf16"] | None = Field(
-        None, description="None: fp32 on CPU, bf16 on GPU"
     )
     attn_implementation: str = "sdpa"
     remove_padding: bool = Field(
         True, description="pack rows without padding (verl's rmpad path); False: padded batches"
     )
     gradient_checkpointing: bool = False
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="Seed of the update (row order, initialisation).")
     max_length: int | None = Field(
         None, ge=2, description="refuse rows whose prompt+response is longer"
     )
     save_verl_checkpoint: bool = Field(True, description="also write verl's resumable checkpoint")
-    resume_from: Path | None = Field(None, description="a verl checkpoint dir (global_step_N)")
+    resume_from: Path | None = Field(None, description="verl checkpoint dir to resume from.")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
