@@ -22,11 +22,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from selfplay.convert import ConvertOptions
 from selfplay.engines import HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
 from selfplay.evaluate import EvalConfig
 from selfplay.generate_config import GenerateConfig
-from selfplay.iterate import ConvertOptions, IterateConfig
+from selfplay.iterate import IterateConfig
 from selfplay.options import Fields, build, options
 from selfplay.sft import SFTConfig
 from selfplay.tracking import flat

@@ -84,8 +84,7 @@ def plot_rewards(result: EvalResult, path: Path) -> Path:
     ax.set_ylim(0, 1.05)
     cfg = result.config
     ax.set_title(
-        f"{cfg['num_scenarios']} held-out scenarios, {cfg['table_size']}x{cfg['table_size']} "
-        "(95% CI)",
+        f"{cfg.num_scenarios} held-out scenarios, {cfg.table_size}x{cfg.table_size} (95% CI)",
         fontsize=10,
     )
     ax.grid(axis="y", alpha=0.3)
@@ -120,17 +119,17 @@ def plot_cross_play(cross: CrossPlay, path: Path) -> Path:
 
 def markdown(result: EvalResult, plots: dict[str, Path]) -> str:
     cfg = result.config
-    s = cfg["sampling"]
+    s = cfg.sampling
     lines = [
         "# selfplay eval",
         "",
-        f"{cfg['num_scenarios']} held-out scenarios ({cfg['table_size']}x{cfg['table_size']}, "
-        f"eval seed {cfg['seed']}; odd seeds, never a training scenario), "
-        f"{cfg['games_per_scenario']} game(s) per scenario, temperature {s['temperature']}"
-        + (" (greedy)" if s["temperature"] == 0 else f", top-p {s['top_p']}")
-        + f", at most {cfg['max_actions']} actions. Seat 2: "
-        + (f"scripted `{cfg['partner']}`." if cfg["partner"] else "the same policy (self-play).")
-        + f" Models on the {(cfg.get('engine') or {}).get('kind', 'hf')} engine."
+        f"{cfg.num_scenarios} held-out scenarios ({cfg.table_size}x{cfg.table_size}, "
+        f"eval seed {cfg.seed}; odd seeds, never a training scenario), "
+        f"{cfg.games_per_scenario} game(s) per scenario, temperature {s.temperature}"
+        + (" (greedy)" if s.temperature == 0 else f", top-p {s.top_p}")
+        + f", at most {cfg.max_actions} actions. Seat 2: "
+        + (f"scripted `{cfg.partner}`." if cfg.partner else "the same policy (self-play).")
+        + f" Models on the {cfg.engine.kind if cfg.engine else 'hf'} engine."
         + f" {result.seconds:.0f} s.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -171,7 +170,7 @@ def markdown(result: EvalResult, plots: dict[str, Path]) -> str:
             "A gap that widens across rounds means a model drifts into conventions only it "
             "understands.",
         ]
-    elif cfg.get("cross_play"):
+    elif cfg.cross_play:
         lines += ["", "Cross-play was asked for but fewer than two models could be evaluated."]
     if result.errors:
         lines += ["", "## Errors", ""]

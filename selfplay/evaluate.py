@@ -54,7 +54,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from selfplay.engines import (
     Engine,
@@ -65,6 +73,7 @@ from selfplay.engines import (
     open_engine,
 )
 from selfplay.errors import UserError
+from selfplay.generate_config import PlayOptions
 from selfplay.metrics import GameSummary, classify_question, mean_ci, summarize
 from selfplay.partners import PartnerOptions
 from selfplay.players.llm import ChatFormat, load_chat_format
@@ -100,6 +109,8 @@ HUMAN_SOURCE = (
     "dialop-data/optimization.jsonl)"
 )
 EVAL_SCHEMA_VERSION = 1
+# validation context of a stored eval.json: checks of files the evaluation read are skipped
+STORED = "stored"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,9 +193,10 @@ def _scripted_name(name: str) -> str:
 DEFAULT_MAX_BATCH = HFEngineConfig.model_fields["max_batch_size"].default
 
 
-class EvalConfig(PartnerOptions):
+class EvalConfig(PartnerOptions, PlayOptions):
     """Everything one evaluation needs (``selfplay eval`` builds it from its options; each
-    field's ``description`` is its option's help)."""
+    field's ``description`` is its option's help). The table and limits of a game are
+    generate's ``PlayOptions``, so eval plays exactly the games generate plays."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -198,9 +210,6 @@ class EvalConfig(PartnerOptions):
     )
     games_per_scenario: int = Field(1, ge=1, description="Games per scenario (needs sampling).")
     seed: int = Field(7, ge=0, description="Eval seed: picks the held-out scenarios (odd seeds).")
-    table_size: int = Field(8, ge=3, le=8, description="Table size n (n reviewers, n papers).")
-    max_actions: int = Field(30, ge=1, description="Actions per game before it ends unagreed.")
-    max_invalid: int = Field(3, ge=1, description="Consecutive invalid actions that end a game.")
     sampling: SamplingParams = Field(
         SamplingParams(temperature=0.0),
         description="The models' sampling: temperature (0: greedy, deterministic), top-p and "
@@ -255,8 +264,9 @@ class EvalConfig(PartnerOptions):
 
     @field_validator("human_data")
     @classmethod
-    def _human_data_exists(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
+    def _human_data_exists(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        # a stored eval.json names the file it was run with; reading it back needs no file
+        if v is not None and not (info.context or {}).get(STORED) and not v.is_file():
             raise ValueError(
                 f"{v} does not exist; point it at dialop-data/optimization.jsonl or leave it "
                 "unset to use the stored human reference"
@@ -373,10 +383,10 @@ class CrossPlay(BaseModel):
 
 
 class EvalResult(BaseModel):
-    """What ``run_eval`` found; ``save_result`` writes it as eval.json."""
+    """What ``run_eval`` found; ``save_result`` writes it as eval.json, ``load_result`` reads it."""
 
     schema_version: Literal[1] = EVAL_SCHEMA_VERSION
-    config: dict
+    config: EvalConfig
     scenario_seeds: list[int]
     rows: list[EvalRow]
     cross_play: CrossPlay | None = None
@@ -388,6 +398,23 @@ class EvalResult(BaseModel):
             if r.name == name and (kind is None or r.kind == kind):
                 return r
         raise KeyError(f"no row named {name!r} in this evaluation")
+
+
+def load_result(path: str | Path) -> EvalResult:
+    """Read an eval.json written by ``save_result``. The files the evaluation read (the human
+    data) need not exist any more, and config fields this version no longer has are dropped with
+    a warning, so an eval.json of an older selfplay still reads."""
+    data = json.loads(Path(path).read_text())
+    config = data.get("config")
+    if isinstance(config, dict):
+        gone = sorted(set(config) - set(EvalConfig.model_fields))
+        if gone:
+            log.warning("%s: ignoring config fields of an older selfplay: %s", path, gone)
+            data["config"] = {k: v for k, v in config.items() if k not in gone}
+    try:
+        return EvalResult.model_validate(data, context={STORED: True})
+    except ValidationError as e:
+        raise EvalError(f"{path} is not an eval.json this selfplay can read: {e}") from None
 
 
 def save_result(result: EvalResult, path: str | Path) -> Path:
@@ -676,7 +703,7 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
         await ev.aclose()
     rows.append(human_reference(config.human_data))
     result = EvalResult(
-        config=config.model_dump(mode="json"),
+        config=config,
         scenario_seeds=ev.seeds,
         rows=rows,
         cross_play=cross,

@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from selfplay.convert import ConvertConfig, GroupBy, NoSignalError, convert
+from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
 from selfplay.engines import HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
 from selfplay.generate_config import GenerateConfig, GenerateOptions, PlayOptions
@@ -53,7 +53,7 @@ from selfplay.metrics import HeldOut, RoundMetrics, summarize
 from selfplay.model_card import git_commit
 from selfplay.partners import PartnerOptions
 from selfplay.records import SamplingParams, iter_game_records
-from selfplay.train.config import MaxLength, TrainConfig, TrainerOptions
+from selfplay.train.config import TrainConfig, TrainerOptions
 
 log = logging.getLogger(__name__)
 
@@ -98,38 +98,6 @@ class TrainOptions(TrainerOptions):
         if self.nodes > 1 and not self.ray_address:
             raise ValueError("nodes: several nodes need --ray-address (an existing Ray cluster)")
         return self
-
-
-class ConvertOptions(BaseModel):
-    """How a round's games become training rows (``selfplay convert``'s options that iterate
-    shares; to move beside ``ConvertConfig``, which should inherit it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    group_by: GroupBy = Field(
-        GroupBy.SCENARIO,
-        description="GRPO groups: scenario (all games of a scenario, both seats) or scenario-seat.",
-    )
-    val_fraction: float = Field(
-        0.0,
-        ge=0.0,
-        lt=1.0,
-        description="Share of scenarios (by hash) written to val.parquet instead of "
-        "train.parquet; training never reads them, so 0 (the default) trains on every game.",
-    )
-    max_length: MaxLength = 4096
-    keep_degenerate: bool = Field(
-        False,
-        description="Write groups whose rewards are all equal too (advantage 0: they add no "
-        "gradient; an iterate round with nothing else still skips its update).",
-    )
-    # a per-seat format penalty, as in SPIRAL
-    invalid_penalty: float = Field(
-        0.0,
-        ge=0.0,
-        description="Reward -P (instead of 0) for the seat whose invalid actions ended a game; "
-        "its partner keeps 0.",
-    )
 
 
 class IterateConfig(GenerateOptions, ConvertOptions):

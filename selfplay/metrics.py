@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
-from scipy import stats
 
 from selfplay.game.protocol import Outcome
 from selfplay.game.questions import classify_question
@@ -29,6 +28,8 @@ def mean_ci(values: Iterable[float], confidence: float = 0.95) -> tuple[float, f
     mean = float(arr.mean())
     if arr.size == 1:
         return mean, mean, mean
+    from scipy import stats  # imported here: scipy.stats costs half a second at CLI start
+
     sem = float(arr.std(ddof=1) / math.sqrt(arr.size))
     half = float(stats.t.ppf(0.5 + confidence / 2, arr.size - 1) * sem)
     return mean, mean - half, mean + half

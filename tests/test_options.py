@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 from selfplay import cli
 from selfplay.cli import app
+from selfplay.convert import ConvertOptions
 from selfplay.engines import SGLangEngineConfig
 from selfplay.generate_config import GenerateConfig
-from selfplay.iterate import ConvertOptions, IterateConfig, TrainOptions
+from selfplay.iterate import IterateConfig, TrainOptions
 from selfplay.options import Fields, build, options
 from selfplay.records import SamplingParams
 
@@ -58,9 +59,6 @@ OWN = {
     ("mini_batch_size", "sft"): "8 rows by default",
     ("table_size", "sft"): "3 by default: the teacher's quick tables",
     ("table_size", "report"): "the baselines' table size (default: the run's own)",
-    ("table_size", "eval"): "EvalConfig's own field",
-    ("max_actions", "eval"): "EvalConfig's own field (no MAX_LENGTH)",
-    ("max_invalid", "eval"): "EvalConfig's own field",
     ("concurrency", "eval"): "per row",
     ("device", "eval"): "only without --engine sglang",
     ("max_batch_size", "eval"): "only without --engine sglang",

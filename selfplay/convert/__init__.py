@@ -48,7 +48,7 @@ import orjson
 import pyarrow as pa
 from pydantic import BaseModel
 
-from selfplay.convert.config import ConvertConfig
+from selfplay.convert.config import ConvertConfig, ConvertOptions
 from selfplay.convert.grouping import GroupBy, Groups, group_id, group_key, is_val_scenario
 from selfplay.convert.parquet import IO_BUFFER, SPLITS, Writers, copy_spool, to_batch
 from selfplay.convert.rows import (
@@ -70,6 +70,7 @@ __all__ = [
     "VAL_FILE",
     "ConvertConfig",
     "ConvertError",
+    "ConvertOptions",
     "ConvertSummary",
     "GroupBy",
     "LengthStats",

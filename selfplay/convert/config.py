@@ -1,4 +1,7 @@
-"""The options of the convert stage, one frozen model that the cut and the driver both read."""
+"""The options of the convert stage: ``ConvertOptions`` (what ``selfplay convert`` shares with
+every round of ``selfplay iterate``) and ``ConvertConfig`` (those plus one run's files and I/O
+settings), one frozen model that the cut and the driver both read. Each field's ``description``
+is its command-line help."""
 
 from __future__ import annotations
 
@@ -8,22 +11,47 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay.convert.grouping import GroupBy
+from selfplay.train.config import MaxLength
 
 
-class ConvertConfig(BaseModel):
-    """Options of the convert stage (``selfplay convert``)."""
+class ConvertOptions(BaseModel):
+    """How games become training rows: the options ``selfplay convert`` and every round of
+    ``selfplay iterate`` share."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    games: Path = Field(description="games.jsonl to read")
-    out: Path = Field(description="directory for train.parquet, val.parquet, convert_summary.json")
-    group_by: GroupBy = GroupBy.SCENARIO
-    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # training never reads val rows
-    max_length: int = Field(4096, ge=2, description="rows with more prompt+response tokens drop")
-    keep_degenerate: bool = False
+    group_by: GroupBy = Field(
+        GroupBy.SCENARIO,
+        description="GRPO groups: scenario (all games of a scenario, both seats) or scenario-seat.",
+    )
+    val_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of scenarios (by hash) written to val.parquet instead of "
+        "train.parquet; training never reads them, so 0 (the default) trains on every game.",
+    )
+    max_length: MaxLength = 4096
+    keep_degenerate: bool = Field(
+        False,
+        description="Write groups whose rewards are all equal too (advantage 0: they add no "
+        "gradient; an iterate round with nothing else still skips its update).",
+    )
     # a seat whose invalid actions ended the game (outcome "invalid") gets -invalid_penalty
     # instead of the shared 0; its partner keeps 0 (a per-seat format penalty, as in SPIRAL)
-    invalid_penalty: float = Field(0.0, ge=0.0)
+    invalid_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="Reward -P (instead of 0) for the seat whose invalid actions ended a game; "
+        "its partner keeps 0.",
+    )
+
+
+class ConvertConfig(ConvertOptions):
+    """Options of the convert stage (``selfplay convert``): the shared options plus the files."""
+
+    games: Path = Field(description="games.jsonl to read")
+    out: Path = Field(description="directory for train.parquet, val.parquet, convert_summary.json")
     validate_records: bool = Field(False, description="full pydantic validation (slower)")
     batch_rows: int = Field(256, ge=1, description="rows per parquet row group")
     compression: Literal["zstd", "lz4", "snappy", "none"] = "zstd"

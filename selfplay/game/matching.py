@@ -13,7 +13,6 @@ from itertools import combinations
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
-from scipy.optimize import linear_sum_assignment
 
 REVIEWERS: tuple[str, ...] = (
     "Ava Li",
@@ -113,6 +112,8 @@ def score_assignment(table, pairs: Pairs) -> int:
 
 def best_assignment(table) -> tuple[Pairs, int]:
     """Maximum-weight one-to-one assignment (Hungarian): sorted (reviewer, paper) pairs, value."""
+    from scipy.optimize import linear_sum_assignment  # here: scipy.optimize is slow to import
+
     arr = np.asarray(table)
     rows, cols = linear_sum_assignment(arr, maximize=True)
     pairs = sorted((int(r), int(c)) for r, c in zip(rows, cols))
@@ -121,6 +122,8 @@ def best_assignment(table) -> tuple[Pairs, int]:
 
 def _solo_reward(table: np.ndarray, known: np.ndarray) -> int:
     """Reference solo score: optimum of own known values (50 elsewhere), scored on the truth."""
+    from scipy.optimize import linear_sum_assignment
+
     expected = np.where(known, table, UNKNOWN_VALUE)
     rows, cols = linear_sum_assignment(expected, maximize=True)
     return int(table[rows, cols].sum())
