@@ -51,7 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import (
@@ -74,6 +74,7 @@ from selfplay.engines import (
 )
 from selfplay.errors import UserError
 from selfplay.generate_config import PlayOptions
+from selfplay.manifest import read_manifest
 from selfplay.metrics import GameSummary, classify_question, mean_ci, summarize
 from selfplay.partners import PartnerOptions
 from selfplay.players.llm import ChatFormat, load_chat_format
@@ -427,25 +428,6 @@ def save_result(result: EvalResult, path: str | Path) -> Path:
     return path
 
 
-class _Stage(BaseModel):
-    artifacts: dict[str, str] = {}
-
-
-class _Round(BaseModel):
-    model: str
-    stages: dict[str, _Stage] = {}
-
-
-class _RunModels(BaseModel):
-    """What ``run_models`` reads of a run's manifest.json (``iterate.Manifest``; other fields
-    are ignored). A view, so that evaluation does not import the loop that calls it; the test of
-    ``run_models`` writes its manifest with ``iterate.Manifest`` itself, so the two cannot drift."""
-
-    manifest_version: Literal[1]
-    config: dict[str, Any] = {}
-    rounds: dict[int, _Round] = {}
-
-
 def run_models(run: str, data_root: str | Path = "data") -> list[ModelSpec]:
     """The models of a `selfplay iterate` run: the initial model, then each trained checkpoint
     (labelled ``initial``, ``round_0``, ``round_1``, ... after checkpoints/RUN/round_K)."""
@@ -455,11 +437,9 @@ def run_models(run: str, data_root: str | Path = "data") -> list[ModelSpec]:
             f"{path} does not exist: name a run started with `selfplay iterate` "
             "(and pass --data-root when it is not under data/)"
         )
-    manifest = _RunModels.model_validate(json.loads(path.read_text()))
+    manifest = read_manifest(path)
     initial = (
-        manifest.rounds[min(manifest.rounds)].model
-        if manifest.rounds
-        else manifest.config.get("model")
+        manifest.rounds[min(manifest.rounds)].model if manifest.rounds else manifest.settings.model
     )
     if not initial:
         raise EvalError(f"{path} names no initial model; is it a selfplay run manifest?")

@@ -39,7 +39,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -49,6 +48,7 @@ from selfplay.engines import HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
 from selfplay.generate_config import GenerateConfig, GenerateOptions, PlayOptions
 from selfplay.locks import folder_lock
+from selfplay.manifest import Manifest, RoundRecord, StageRecord, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics, summarize
 from selfplay.model_card import git_commit
 from selfplay.partners import PartnerOptions
@@ -57,7 +57,6 @@ from selfplay.train.config import TrainConfig, TrainerOptions
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1
 STAGES = ("generate", "convert", "train")
 # A testing aid for kill tests: with SELFPLAY_HOLD_BEFORE=convert (or train) the run touches
 # data/RUN/holding_<stage> when that stage starts and waits there until it is killed.
@@ -233,37 +232,6 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class StageRecord(BaseModel):
-    finished_at: float
-    seconds: float
-    artifacts: dict[str, str] = {}
-    skip_reason: str | None = None
-    info: dict[str, Any] = {}
-
-
-class RoundRecord(BaseModel):
-    model: str  # the model this round generates with
-    stages: dict[str, StageRecord] = {}
-    metrics: dict[str, Any] | None = None
-    tracked: bool = False  # sent to the experiment trackers
-
-
-class Manifest(BaseModel):
-    manifest_version: Literal[1] = MANIFEST_VERSION
-    name: str
-    config: dict[str, Any]
-    created_at: float
-    versions: dict[str, str]
-    git_commit: str | None
-    warm_start: StageRecord | None = None
-    heldout_initial: HeldOut | None = None  # the initial model, before the warm start
-    # held-out results by the number of GRPO rounds behind the model (0: the starting model)
-    heldout: dict[int, HeldOut] = {}
-    baselines: dict[str, HeldOut] = {}  # scripted pairs on the same held-out scenarios
-    rounds: dict[int, RoundRecord] = {}
-    tracker_step: int = 0  # the last step sent to the experiment trackers (steps only grow)
-
-
 def package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for pkg in ("selfplay", "torch", "transformers", "verl", "numpy", "pyarrow", "sglang"):
@@ -291,13 +259,7 @@ class Run:
         self.path = config.run_dir / "manifest.json"
         config.run_dir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            try:
-                self.manifest = Manifest.model_validate(orjson.loads(self.path.read_bytes()))
-            except (orjson.JSONDecodeError, ValidationError) as e:
-                raise IterateError(
-                    f"{self.path} is not a readable run manifest ({str(e).splitlines()[0]}); "
-                    "restore it from a backup, or start another run with --name"
-                ) from None
+            self.manifest = read_manifest(self.path)
             self._check_same(force)
         else:
             self.manifest = Manifest(

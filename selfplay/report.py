@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from selfplay.errors import UserError
 from selfplay.evaluate import BASELINES, HUMAN_REFERENCE, evaluate_scripted
-from selfplay.metrics import RoundMetrics
+from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
+from selfplay.metrics import HeldOut, RoundMetrics
 
 log = logging.getLogger(__name__)
 
@@ -85,27 +86,30 @@ def _line_plot(rows, key, title, ylabel, path, *, ci=None, hlines=None) -> Path:
     return path
 
 
-def read_manifest(run_dir: Path) -> dict:
-    path = run_dir / "manifest.json"
-    return orjson.loads(path.read_bytes()) if path.exists() else {}
+def _run_manifest(run_dir: Path) -> Manifest | None:
+    """The run's manifest, or None for a folder that has metrics.jsonl alone."""
+    path = run_dir / MANIFEST_FILE
+    return read_manifest(path) if path.exists() else None
 
 
 def _heldout_plot(
-    rows, heldout: dict, baselines: dict, path: Path, initial: dict | None = None
+    rows,
+    heldout: dict[int, HeldOut],
+    baselines: dict[str, HeldOut],
+    path: Path,
+    initial: HeldOut | None = None,
 ) -> Path:
     """Held-out reward of the model after k rounds (k = 0: the starting model) with its 95%
     interval, beside the reward of each round's training games and the scripted baselines on
     the same held-out scenarios."""
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
-    ks = sorted(int(k) for k in heldout)
-    mean = [heldout[str(k)]["reward_mean"] for k in ks]
-    lo = [heldout[str(k)]["reward_ci_low"] for k in ks]
-    hi = [heldout[str(k)]["reward_ci_high"] for k in ks]
+    ks = sorted(heldout)
+    points = [heldout[k] for k in ks]
     if initial is not None:  # the model before the warm start, at x = -1
-        ks_i, mean_i = [-1, *ks], [initial["reward_mean"], *mean]
-        lo_i = [initial["reward_ci_low"], *lo]
-        hi_i = [initial["reward_ci_high"], *hi]
-        ks, mean, lo, hi = ks_i, mean_i, lo_i, hi_i
+        ks, points = [-1, *ks], [initial, *points]
+    mean = [h.reward_mean for h in points]
+    lo = [h.reward_ci_low for h in points]
+    hi = [h.reward_ci_high for h in points]
     ax.plot(ks, mean, marker="o", color="tab:blue", label="held-out (greedy)")
     ax.fill_between(ks, lo, hi, color="tab:blue", alpha=0.2, label="held-out 95% CI")
     ax.plot(
@@ -118,10 +122,10 @@ def _heldout_plot(
     )
     for i, (name, b) in enumerate(sorted(baselines.items())):
         ax.axhline(
-            b["reward_mean"],
+            b.reward_mean,
             linestyle="--",
             color=f"C{i + 2}",
-            label=f"scripted {name} ({b['reward_mean']:.3f})",
+            label=f"scripted {name} ({_fmt(b.reward_mean)})",
         )
     xlabel = "GRPO rounds behind the model" + (" (-1: before the warm start)" if initial else "")
     ax.set(xlabel=xlabel, ylabel="normalised reward")
@@ -154,27 +158,26 @@ def _questions_plot(rows, path: Path) -> Path:
     return path
 
 
-def _heldout_table(manifest: dict) -> list[str]:
-    cfg = manifest.get("config", {})
-    held = manifest["heldout"]
-    warm = manifest.get("warm_start")
+def _heldout_table(manifest: Manifest) -> list[str]:
+    cfg = manifest.settings
+    held = manifest.heldout
+    warm = manifest.warm_start
     md = [
         "## Held-out evaluation",
         "",
-        f"Greedy games on {cfg.get('eval_scenarios')} fixed held-out {cfg.get('table_size')}x"
-        f"{cfg.get('table_size')} scenarios (eval seed {cfg.get('eval_seed')}; never training "
+        f"Greedy games on {cfg.eval_scenarios} fixed held-out {cfg.table_size}x"
+        f"{cfg.table_size} scenarios (eval seed {cfg.eval_seed}; never training "
         "scenarios), the same every round.",
         "",
     ]
-    partner = cfg.get("partner") or "self"
-    if partner != "self":
+    if cfg.partner:
         md += [
-            f"The other seat is always `{partner}`: every row, baselines included, is the named "
-            f"player in seat {cfg.get('policy_seat', 1)} beside it.",
+            f"The other seat is always `{cfg.partner}`: every row, baselines included, is the "
+            f"named player in seat {cfg.policy_seat} beside it.",
             "",
         ]
     if warm:
-        info = warm.get("info") or {}
+        info = warm.info
         extra = (
             f" ({info.get('rows')} rows, {info.get('updates')} updates, loss "
             f"{info.get('loss_first', 0):.3f} -> {info.get('loss_last', 0):.3f})"
@@ -182,7 +185,7 @@ def _heldout_table(manifest: dict) -> list[str]:
             else ""
         )
         md += [
-            f"Warm start: `{cfg.get('warm_start')}` in {warm['seconds']:.0f} s{extra}.",
+            f"Warm start: `{cfg.warm_start}` in {warm.seconds:.0f} s{extra}.",
             "",
         ]
     md += [
@@ -192,20 +195,20 @@ def _heldout_table(manifest: dict) -> list[str]:
 
     f = _fmt
 
-    def line(name: str, h: dict) -> str:
+    def line(name: str, h: HeldOut) -> str:
         return (
-            f"| {name} | {f(h['reward_mean'])} [{f(h['reward_ci_low'])}, "
-            f"{f(h['reward_ci_high'])}] | {f(h['agreement_rate'])} "
-            f"| {f(h['invalid_action_rate'])} | {f(h['questions_per_game'], '.2f')} "
-            f"({f(h['direct_questions_per_game'], '.2f')}) | {f(h['mean_actions'], '.1f')} |"
+            f"| {name} | {f(h.reward_mean)} [{f(h.reward_ci_low)}, "
+            f"{f(h.reward_ci_high)}] | {f(h.agreement_rate)} "
+            f"| {f(h.invalid_action_rate)} | {f(h.questions_per_game, '.2f')} "
+            f"({f(h.direct_questions_per_game, '.2f')}) | {f(h.mean_actions, '.1f')} |"
         )
 
-    if manifest.get("heldout_initial"):
-        md.append(line("initial model (before the warm start)", manifest["heldout_initial"]))
-    for k in sorted(held, key=int):
+    if manifest.heldout_initial:
+        md.append(line("initial model (before the warm start)", manifest.heldout_initial))
+    for k in sorted(held):
         start = "warm-started model" if warm else "start"
-        md.append(line(start if int(k) == 0 else f"after round {int(k) - 1}", held[k]))
-    for name, b in sorted((manifest.get("baselines") or {}).items()):
+        md.append(line(start if k == 0 else f"after round {k - 1}", held[k]))
+    for name, b in sorted(manifest.baselines.items()):
         md.append(line(f"scripted {name}", b))
     return md
 
@@ -220,24 +223,26 @@ def _scenario_rewards(path: Path) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in by.items()}
 
 
-def paired_differences(run_dir: Path, manifest: dict) -> list[tuple[str, int, float, float, float]]:
+def paired_differences(
+    run_dir: Path, manifest: Manifest
+) -> list[tuple[str, int, float, float, float]]:
     """(comparison, scenarios, mean, lo, hi): the final model's held-out reward minus the
     starting model's and minus each scripted baseline's, paired by scenario (95% t-interval)."""
     from selfplay.metrics import mean_ci
 
-    held = manifest.get("heldout") or {}
+    held = manifest.heldout
     if len(held) < 2:
         return []
-    final = max(held, key=int)
+    final = max(held)
 
-    def games(h: dict, file: str) -> Path:
-        return Path(h["path"]) / "games" / file
+    def games(h: HeldOut, file: str) -> Path:
+        return Path(h.path or "") / "games" / file
 
-    if not held[final].get("path"):
+    if not held[final].path or 0 not in held:
         return []
     last = _scenario_rewards(games(held[final], "model-model.jsonl"))
-    others = {"start (after 0 rounds)": games(held["0"], "model-model.jsonl")}
-    for name, b in sorted((manifest.get("baselines") or {}).items()):
+    others = {"start (after 0 rounds)": games(held[0], "model-model.jsonl")}
+    for name, b in sorted(manifest.baselines.items()):
         others[f"scripted {name}"] = games(b, f"baseline-{name}.jsonl")
     out = []
     for label, path in others.items():
@@ -286,13 +291,13 @@ def write_report(
     ``n`` is given."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    manifest = read_manifest(run_dir)
-    n = n or manifest.get("config", {}).get("table_size", 8)
+    manifest = _run_manifest(run_dir)
+    n = n or (manifest.settings.table_size if manifest else 8)
     where = f"{n}x{n}, scripted self-play on 50 held-out scenarios"
-    if baselines is None and manifest.get("baselines"):  # the run's own held-out scenarios
-        baselines = {k: v["reward_mean"] for k, v in manifest["baselines"].items()}
-        partner = (manifest.get("config") or {}).get("partner") or "self"
-        who = "scripted self-play" if partner == "self" else f"each scripted policy + `{partner}`"
+    if baselines is None and manifest and manifest.baselines:  # the run's own held-out scenarios
+        baselines = {k: v.reward_mean for k, v in manifest.baselines.items()}
+        partner = manifest.settings.partner
+        who = f"each scripted policy + `{partner}`" if partner else "scripted self-play"
         where = f"{who} on this run's held-out scenarios"
     if baselines is None:
         baselines = baseline_rewards(n)
@@ -325,16 +330,15 @@ def write_report(
     scatter = _reward_vs_questions(run_dir, rows, run_dir / "reward_vs_questions.png")
     if scatter is not None:
         plots["reward vs questions"] = scatter
-    heldout = manifest.get("heldout") or {}
     md = [f"# Run report: {run_dir.name}", ""]
-    if heldout:
+    if manifest and manifest.heldout:
         plots = {
             "held-out reward": _heldout_plot(
                 rows,
-                heldout,
-                manifest.get("baselines") or {},
+                manifest.heldout,
+                manifest.baselines,
                 run_dir / "heldout.png",
-                manifest.get("heldout_initial"),
+                manifest.heldout_initial,
             ),
             **plots,
         }

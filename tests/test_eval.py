@@ -372,7 +372,7 @@ def test_every_model_failing_exits_1_after_writing_the_rest(tmp_path):
 
 
 def test_cross_play_of_a_run(tiny_model, other_model, tmp_path):
-    from selfplay.iterate import Manifest, RoundRecord, StageRecord
+    from selfplay.manifest import Manifest, RoundRecord, StageRecord
 
     stage = StageRecord(finished_at=0.0, seconds=0.0, artifacts={"model": str(other_model)})
     manifest = Manifest(

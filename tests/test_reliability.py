@@ -126,6 +126,7 @@ def test_train_without_a_model_or_games_names_the_fix(tmp_path, monkeypatch):
 def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
     from selfplay import report
     from selfplay.evaluate import play_scripted
+    from selfplay.manifest import Manifest
     from selfplay.metrics import summarize
 
     run = tmp_path / "run"
@@ -134,11 +135,18 @@ def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
     (run / "metrics.jsonl").write_bytes(
         orjson.dumps({"round": 0, **summarize(games).model_dump()}) + b"\n"
     )
-    (run / "manifest.json").write_text(json.dumps({"config": {"table_size": 3}}))
+    manifest = Manifest(
+        name="run", config={"table_size": 3}, created_at=0.0, versions={}, git_commit=None
+    )
+    (run / "manifest.json").write_text(manifest.model_dump_json())
     seen = []
     monkeypatch.setattr(report, "baseline_rewards", lambda n: seen.append(n) or {"random": 0.5})
     assert CliRunner().invoke(app, ["report", str(run)]).exit_code == 0
     assert seen == [3]
+    # a manifest that is not one is said so, in one line
+    (run / "manifest.json").write_text(json.dumps({"config": {"table_size": 3}}))
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 1 and "is not a readable run manifest" in res.output
 
 
 def test_two_iterates_of_one_run_cannot_both_write(tmp_path, tiny_model):
