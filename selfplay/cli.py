@@ -359,7 +359,7 @@ def _eval_scripted_pair(
     players: str, num_games: int, seed: int, table_size: int, max_actions: int, out: Path | None
 ) -> None:
     from selfplay.evaluate import evaluate_scripted
-    from selfplay.players.scripted import SCRIPTED_NAMES
+    from selfplay.game.matching_scripted import SCRIPTED_NAMES
 
     names = tuple(p.strip() for p in players.split(","))
     if len(names) != 2 or any(n not in SCRIPTED_NAMES for n in names):

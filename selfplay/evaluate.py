@@ -73,12 +73,13 @@ from selfplay.engines import (
     open_engine,
 )
 from selfplay.errors import UserError
+from selfplay.game import MATCHING, get_game
+from selfplay.game.matching_scripted import SCRIPTED_NAMES, make_scripted
 from selfplay.generate_config import PlayOptions
 from selfplay.manifest import read_manifest
-from selfplay.metrics import GameSummary, classify_question, mean_ci, summarize
+from selfplay.metrics import GameSummary, mean_ci, summarize
 from selfplay.partners import PartnerOptions
 from selfplay.players.llm import ChatFormat, load_chat_format
-from selfplay.players.scripted import SCRIPTED_NAMES, make_scripted
 from selfplay.records import GameRecord, SamplingParams, append_records
 from selfplay.rollout import (
     GameSpec,
@@ -483,7 +484,7 @@ def human_reference(path: str | Path | None = None) -> EvalRow:
         messages = [a["message"]["data"] for a in log_ if a["type"] == "message"]
         actions.append(len(log_))
         words.append(sum(len(m.split()) for m in messages))
-        kinds = [classify_question(m) for m in messages]
+        kinds = [MATCHING.classify_question(m) for m in messages]  # the human games are matching
         direct.append(kinds.count("direct"))
         general.append(kinds.count("general"))
         agreed += any(a["type"] == "proposal_response" and a["response"]["accept"] for a in log_)
@@ -530,7 +531,8 @@ class _Evaluation:
         self.config = config
         self.seeds = [eval_scenario_seed(config.seed, i) for i in range(config.num_scenarios)]
         self.plan = eval_plan(config.seed, config.num_scenarios, config.games_per_scenario)
-        self.scenarios = Scenarios(config.table_size, keep=True)  # every row plays them all
+        self.game = get_game(config.game)
+        self.scenarios = Scenarios(config.table_size, keep=True, game=self.game)  # every row
         self.games_dir = config.out / "games" if config.out is not None else None
         self.partner_client = None  # an API partner's client, shared by every row
 
@@ -554,7 +556,11 @@ class _Evaluation:
         """``policy`` in ``policy_seat`` across the configured partner (or in both seats)."""
         cfg = self.config
         return seating(
-            policy, cfg.partner, policy_seat=cfg.policy_seat, partner_client=self.partner_client
+            policy,
+            cfg.partner,
+            policy_seat=cfg.policy_seat,
+            partner_client=self.partner_client,
+            game=self.game,
         )
 
     def llm(self, lm: _Loaded) -> SeatFactory:
@@ -673,7 +679,7 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
         cross = await _cross_play(ev, kept, rows, errors) if len(kept) >= 2 else None
         for name in config.baselines:
             t0 = time.perf_counter()
-            seats = ev.seating(scripted_seat(name))
+            seats = ev.seating(scripted_seat(name, ev.game))
             records = await ev.play(f"baseline-{name}", seats, quiet=True)
             names = _ordered((name, partner or name), config)
             rows.append(_row(name, "baseline", *names, records, t0))

@@ -12,14 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from selfplay import partners
+from selfplay.game import DEFAULT_GAME, GAMES, get_game
 from selfplay.game.matching import MAX_N, MIN_N
 from selfplay.records import SamplingParams
 
 # Options that decide *which* games a folder holds; a resume must not change them.
 IDENTITY_FIELDS = (
+    "game",
     "seed",
     "round",
     "games_per_scenario",
@@ -34,10 +36,10 @@ IDENTITY_FIELDS = (
 )
 # Identity fields added after the first runs, with the value those runs had: left out of the
 # identity at that value, so folders written before them still resume.
-ADDED_LATER = {"policy_seat": 1, "partner_base_url": None}
+ADDED_LATER = {"policy_seat": 1, "partner_base_url": None, "game": DEFAULT_GAME}
 
 
-TableSize = Annotated[
+TableSize = Annotated[  # the matching game's sizes (sft's teacher games are matching games)
     int, Field(ge=MIN_N, le=MAX_N, description="Table size n (n reviewers x n papers).")
 ]
 
@@ -47,7 +49,15 @@ class PlayOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    table_size: TableSize = 8
+    game: str = Field(
+        DEFAULT_GAME, description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game)."
+    )
+    table_size: int = Field(
+        8,
+        ge=1,
+        description=f"Table size n (n reviewers x n papers, {MIN_N} to {MAX_N}); another game: "
+        "its own size.",
+    )
     max_actions: int = Field(
         30,
         ge=1,
@@ -57,6 +67,24 @@ class PlayOptions(BaseModel):
     max_invalid: int = Field(
         3, ge=1, description="Consecutive invalid actions of one seat that end a game."
     )
+
+    @field_validator("game")
+    @classmethod
+    def _known_game(cls, name: str) -> str:
+        get_game(name)  # UnknownGameError (a ValueError) names the known games
+        return name
+
+    @field_validator("table_size")
+    @classmethod
+    def _size_of_the_game(cls, size: int, info: ValidationInfo) -> int:
+        if "game" in info.data:  # else the game's own error is reported
+            game = get_game(info.data["game"])
+            if not game.min_size <= size <= game.max_size:
+                raise ValueError(
+                    f"the {game.name} game's sizes are {game.min_size} to {game.max_size}, "
+                    f"not {size}"
+                )
+        return size
 
 
 class GenerateOptions(partners.PartnerOptions, PlayOptions):

@@ -202,6 +202,7 @@ ADDED_LATER = {
     "warm_start_mini_batch_size": 4,
     "eval_scenarios": 0,
     "eval_seed": 7,
+    "game": "matching",
 }
 
 
@@ -421,7 +422,7 @@ def isolated(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 def parse_warm_start(spec: str) -> tuple[str, int]:
     """``scripted:NAME:GAMES`` -> (NAME, GAMES); ValueError naming the accepted forms."""
-    from selfplay.players.scripted import SCRIPTED_NAMES
+    from selfplay.game.matching_scripted import SCRIPTED_NAMES
 
     parts = spec.split(":")
     if len(parts) != 3 or parts[1] not in SCRIPTED_NAMES or not parts[2].isdigit():

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from selfplay.game.protocol import Outcome
-from selfplay.game.questions import classify_question
+from selfplay.game import Outcome, get_game
+from selfplay.game.questions import classify_question as classify_question  # re-export
 from selfplay.game.questions import is_question as is_question  # re-export: older imports
 from selfplay.records import GameRecord
 
@@ -53,9 +53,9 @@ class GameSummary(BaseModel):
     mean_actions: float = NAN
     mean_words: float = NAN  # words of valid [message] turns per game
     invalid_action_rate: float = NAN  # invalid actions / all actions
-    optimal_rate: float = NAN  # accepted at the best assignment's score
+    optimal_rate: float = NAN  # accepted at reward 1 (matching: the best assignment's score)
     questions_per_game: float = NAN  # both seats, direct and general
-    direct_questions_per_game: float = NAN  # naming one reviewer and one paper
+    direct_questions_per_game: float = NAN  # about one item (matching: a reviewer and a paper)
     general_questions_per_game: float = NAN
     questions_per_game_seat0: float = NAN
     questions_per_game_seat1: float = NAN
@@ -91,7 +91,7 @@ class Summary:
         self._actions.append(r.counts.get("actions", len(r.actions)))
         self._words.append(r.counts.get("words", 0))
         self._invalid.append(r.counts.get("invalid", sum(not a.valid for a in r.actions)))
-        self._optimal.append(r.outcome == Outcome.ACCEPTED and r.score == r.scenario.best)
+        self._optimal.append(r.outcome == Outcome.ACCEPTED and r.reward >= 1.0)  # the best there is
         self._outcomes[str(r.outcome)] += 1
 
     def result(self) -> GameSummary:
@@ -118,9 +118,10 @@ class Summary:
 def question_counts(record: GameRecord) -> dict[str, int]:
     """Questions in valid [message] turns, per seat and kind: seat0_direct, seat0_general, ..."""
     counts = {f"seat{s}_{k}": 0 for s in (0, 1) for k in ("direct", "general")}
+    game = get_game(record.game)
     for a in record.actions:
         if a.valid and a.kind == "message":
-            kind = classify_question(a.text.split("]", 1)[-1], record.scenario.n)
+            kind = game.classify_question(a.text, record.scenario)
             if kind != "none":
                 counts[f"seat{a.seat}_{kind}"] += 1
     return counts

@@ -32,7 +32,7 @@ class SelfPlay:
 
 @dataclass(frozen=True)
 class ScriptedPartner:
-    """A scripted policy from ``selfplay.players.scripted`` plays the other seat."""
+    """A scripted policy from ``selfplay.game.matching_scripted`` plays the other seat."""
 
     name: str
 
@@ -50,7 +50,7 @@ PartnerSpec = SelfPlay | ScriptedPartner | OpenAIPartner
 def parse_partner(text: str | None) -> PartnerSpec:
     """``None``/``self`` -> SelfPlay; ``scripted:NAME`` or a bare NAME -> ScriptedPartner;
     ``openai:MODEL`` -> OpenAIPartner. Raises ValueError naming the accepted forms."""
-    from selfplay.players.scripted import SCRIPTED_NAMES
+    from selfplay.game.matching_scripted import SCRIPTED_NAMES
 
     raw = "" if text is None else text.strip()
     if raw in ("", "self"):

@@ -15,7 +15,6 @@ import time
 from selfplay.errors import EngineFailure
 from selfplay.game import MATCHING, DialogueGame, Outcome
 from selfplay.game.api import Rules
-from selfplay.game.matching import Scenario
 from selfplay.players import Player
 from selfplay.records import ActionRecord, GameRecord
 
@@ -25,7 +24,7 @@ __all__ = ["EngineFailure", "build_record", "play_game"]
 
 
 async def play_game(
-    scenario: Scenario,
+    scenario: object,
     players: tuple[Player, Player],
     *,
     game_id: str,
@@ -35,7 +34,8 @@ async def play_game(
     max_invalid: int = 3,
     game: DialogueGame = MATCHING,
 ) -> GameRecord:
-    """Run one game to its end and return its record. Engine failures propagate (EngineFailure)."""
+    """Run one game of ``game`` on ``scenario`` (one of its scenarios) to its end and return its
+    record. Engine failures propagate (EngineFailure)."""
     rules = game.new_game(scenario, max_actions=max_actions, max_invalid=max_invalid)
     shown: list[list[str]] = [[game.intro(scenario, 0)], [game.intro(scenario, 1)]]
     start = time.perf_counter()
@@ -63,6 +63,7 @@ async def play_game(
         round=round,
         error=error,
         seconds=time.perf_counter() - start,
+        game=game.name,
     )
 
 
@@ -75,9 +76,9 @@ def build_record(
     round: int,
     error: str | None,
     seconds: float,
+    game: str = MATCHING.name,
 ) -> GameRecord:
-    """The record of finished ``rules``. ``GameRecord.scenario`` is still the matching game's
-    ``Scenario``, so only the matching game can be recorded until records learn other games."""
+    """The record of finished ``rules`` of the game called ``game`` (a name in ``GAMES``)."""
     actions = [
         ActionRecord(
             seat=a.seat, text=a.text, kind=a.kind, valid=a.valid, error=a.error, proposal=a.proposal
@@ -97,6 +98,7 @@ def build_record(
             counts[f"tokens_seat{s}"] = len(t.token_ids)
             counts[f"generated_seat{s}"] = sum(t.mask)
     return GameRecord(
+        game=game,
         game_id=game_id,
         scenario_id=rules.scenario.id,
         round=round,

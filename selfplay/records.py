@@ -1,7 +1,8 @@
 """Stage contracts: the typed, versioned records that cross stage boundaries, and their JSONL I/O.
 
 - ``GameRecord``: one finished game, one JSON line in games.jsonl (written by the runner).
-- ``TRAINING_SCHEMA``: the pyarrow schema of one training row per (game, trained seat) (convert).
+- ``TRAINING_SCHEMA``: the pyarrow schema of one training row per (game, trained seat) (convert);
+  it lives in ``selfplay.training_schema``, which imports nothing of the game, and is re-exported.
 Readers are strict about the schema version and tolerant of a torn or corrupt line: it is skipped
 and reported with its line number, never silently dropped.
 """
@@ -16,47 +17,50 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from selfplay.errors import UserError
-from selfplay.game.matching import Scenario
-from selfplay.game.protocol import Outcome
+from selfplay.game import DEFAULT_GAME, get_game
+from selfplay.game.api import Outcome
+from selfplay.seats import SamplingParams, SeatConfig, SeatTokens
+from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
+
+__all__ = [  # the record models and readers; the seat models and training-row schema re-exported
+    "READABLE_SCHEMA_VERSIONS",
+    "SCHEMA_VERSION",
+    "TRAINING_SCHEMA",
+    "TRAINING_SCHEMA_VERSION",
+    "ActionRecord",
+    "GameRecord",
+    "ReadReport",
+    "RecordError",
+    "SamplingParams",
+    "SeatConfig",
+    "SeatTokens",
+    "append_records",
+    "check_record_version",
+    "dump_record",
+    "iter_game_records",
+    "iter_jsonl",
+    "repair_jsonl_tail",
+]
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# games.jsonl: version 2 added ``GameRecord.game``; version 1 files are the matching game's and
+# are still read (their records get ``game="matching"``).
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 class RecordError(UserError, ValueError):
     """A record file that cannot be used as a whole (missing, empty, another schema version)."""
-
-
-class SamplingParams(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    temperature: float = Field(
-        0.7,
-        ge=0.0,
-        description="Sampling temperature (0: greedy).",
-        json_schema_extra={"envvar": "TEMPERATURE"},
-    )
-    top_p: float = Field(
-        1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the top tokens of this mass."
-    )
-    max_new_tokens: int = Field(256, ge=1, description="Tokens per action at most.")
-    seed: int | None = Field(None, description="The request's sampling seed (set per turn).")
-
-
-class SeatConfig(BaseModel):
-    """Who plays a seat: an LLM (model path or id), a scripted policy, or an API model."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["llm", "scripted", "api"]
-    name: str
-    trained: bool = False  # whether this seat's tokens become training rows
-    sampling: SamplingParams | None = None
 
 
 class ActionRecord(BaseModel):
@@ -70,43 +74,18 @@ class ActionRecord(BaseModel):
     proposal: list[tuple[int, int]] | None = None
 
 
-class SeatTokens(BaseModel):
-    """Exactly what one seat's model saw and produced, as one append-only token list.
-
-    ``mask[i] == 1`` marks tokens the seat's own model generated; ``logprobs[i]`` is their behaviour
-    log-probability (0.0 where mask is 0). ``messages`` is the readable chat of the same tokens.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    token_ids: list[int]
-    mask: list[int]
-    logprobs: list[float]
-    messages: list[dict[str, str]] = []
-    tokenizer_fingerprint: str | None = None
-
-    @model_validator(mode="after")
-    def _aligned(self) -> SeatTokens:
-        n = len(self.token_ids)
-        if len(self.mask) != n or len(self.logprobs) != n:
-            raise ValueError(
-                f"token_ids ({n}), mask ({len(self.mask)}) and logprobs ({len(self.logprobs)}) "
-                "must have the same length"
-            )
-        if not set(self.mask) <= {0, 1}:
-            raise ValueError("mask values must be 0 or 1")
-        return self
-
-
 class GameRecord(BaseModel):
+    """One finished game. ``scenario`` is an instance of the game's ``scenario_type``."""
+
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    game: str = DEFAULT_GAME  # a name in selfplay.game.GAMES
     game_id: str
     scenario_id: str
     round: int = 0
     seed: int  # the seed every random draw of this game derives from
-    scenario: Scenario
+    scenario: Any
     seats: tuple[SeatConfig, SeatConfig]
     actions: list[ActionRecord]
     tokens: tuple[SeatTokens | None, SeatTokens | None] = (None, None)
@@ -116,6 +95,20 @@ class GameRecord(BaseModel):
     reward: float
     counts: dict[str, int] = {}
     timings: dict[str, float] = {}
+
+    @field_validator("game")
+    @classmethod
+    def _known_game(cls, name: str) -> str:
+        get_game(name)  # UnknownGameError (a ValueError) names the known games
+        return name
+
+    @field_validator("scenario")
+    @classmethod
+    def _game_scenario(cls, value: Any, info: ValidationInfo) -> Any:
+        if "game" not in info.data:
+            raise ValueError("the scenario cannot be read without a known game")
+        kind = get_game(info.data["game"]).scenario_type
+        return value if isinstance(value, kind) else kind.model_validate(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,17 +148,23 @@ def iter_game_records(path: str | Path, report: ReadReport | None = None) -> Ite
             report.skipped.append((lineno, bad))
             log.warning("%s:%d: skipping a torn or corrupt line", path, lineno)
             continue
-        version = obj.get("schema_version") if isinstance(obj, dict) else None
-        if version != SCHEMA_VERSION:
-            raise RecordError(
-                f"{path}:{lineno}: schema_version {version!r}, this selfplay reads "
-                f"{SCHEMA_VERSION}; regenerate the games or use a matching selfplay version"
-            )
+        check_record_version(obj, f"{path}:{lineno}")
         try:
             yield GameRecord.model_validate(obj)
         except ValidationError as e:
             report.skipped.append((lineno, f"invalid record: {e.errors()[0]['msg']}"))
             log.warning("%s:%d: skipping an invalid record", path, lineno)
+
+
+def check_record_version(obj: Any, where: str) -> None:
+    """``RecordError`` unless ``obj`` is a game record of a version this selfplay reads."""
+    version = obj.get("schema_version") if isinstance(obj, dict) else None
+    if version not in READABLE_SCHEMA_VERSIONS:
+        readable = " and ".join(map(str, READABLE_SCHEMA_VERSIONS))
+        raise RecordError(
+            f"{where}: schema_version {version!r}, this selfplay reads {readable}; "
+            "regenerate the games or use a matching selfplay version"
+        )
 
 
 def dump_record(record: BaseModel) -> bytes:
@@ -212,45 +211,3 @@ def repair_jsonl_tail(path: str | Path) -> int:
         f.truncate(cut)
     log.warning("%s: dropped a torn last line (%d bytes)", path, size - cut)
     return size - cut
-
-
-# ---------------------------------------------------------------------------------------------
-# Training rows (parquet)
-
-TRAINING_SCHEMA = pa.schema(
-    [
-        pa.field("group_id", pa.int64(), nullable=False),
-        pa.field("group_key", pa.string(), nullable=False),
-        pa.field("game_id", pa.string(), nullable=False),
-        pa.field("scenario_id", pa.string(), nullable=False),
-        pa.field("seat", pa.int8(), nullable=False),
-        pa.field("round", pa.int32(), nullable=False),
-        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("response_mask", pa.list_(pa.int8()), nullable=False),
-        pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("reward", pa.float32(), nullable=False),
-        pa.field("tokenizer_fingerprint", pa.string()),
-        pa.field(
-            "messages",
-            pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
-        ),
-        # verl-style columns, so the file also reads as an ordinary verl dataset
-        pa.field("data_source", pa.string()),
-        pa.field("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        pa.field(
-            "reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.float32())])
-        ),
-        pa.field(
-            "extra_info",
-            pa.struct(
-                [
-                    ("index", pa.int64()),
-                    ("game_id", pa.string()),
-                    ("seat", pa.int8()),
-                ]
-            ),
-        ),
-    ],
-    metadata={b"selfplay_schema_version": str(SCHEMA_VERSION).encode()},
-)

@@ -33,9 +33,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from selfplay.engines import Engine
-from selfplay.game.matching import Scenario, generate_scenario
+from selfplay.game import MATCHING, DialogueGame
 from selfplay.partners import (
     OpenAIPartner,
     PartnerSpec,
@@ -109,6 +110,7 @@ def eval_plan(seed: int, num_scenarios: int, games_per_scenario: int) -> list[Ga
 # ---------------------------------------------------------------------------------------------
 # Seating
 
+Scenario = Any  # one game's scenario (its DialogueGame.scenario_type)
 SeatFactory = Callable[[Scenario, int, int], Player]  # (scenario, seat index, game seed) -> Player
 
 
@@ -135,12 +137,11 @@ def llm_seat(
     return make
 
 
-def scripted_seat(name: str) -> SeatFactory:
-    """A scripted policy's seat (``selfplay.players.scripted``)."""
-    from selfplay.players.scripted import make_scripted
+def scripted_seat(name: str, game: DialogueGame = MATCHING) -> SeatFactory:
+    """The seat of ``game``'s scripted policy ``name`` (one of its ``scripted_names``)."""
 
     def make(scenario: Scenario, seat: int, seed: int) -> Player:
-        return make_scripted(name, scenario, seat, seed=derive_seed(seed, seat))
+        return game.scripted(name, scenario, seat, seed=derive_seed(seed, seat))
 
     return make
 
@@ -174,6 +175,7 @@ def seating(
     *,
     policy_seat: int = 1,
     partner_client: PartnerClient | None = None,
+    game: DialogueGame = MATCHING,
 ) -> Seating:
     """The seating of ``policy`` across a partner spec (or its text, see ``parse_partner``).
 
@@ -185,7 +187,7 @@ def seating(
         case SelfPlay():
             return Seating(policy, None, policy_seat)
         case ScriptedPartner(name=name):
-            return Seating(policy, scripted_seat(name), policy_seat)
+            return Seating(policy, scripted_seat(name, game), policy_seat)
         case OpenAIPartner(model=model):
             if partner_client is None:
                 raise ValueError(
@@ -201,7 +203,7 @@ def seating(
 
 
 class Scenarios:
-    """Scenarios of one table size made off the event loop, each shared by the games on it.
+    """Scenarios of one size of ``game`` made off the event loop, each shared by its games.
 
     ``get(spec)`` returns the future of ``spec``'s scenario, starting it when needed;
     ``prefetch(spec)`` only starts it. Plans hand specs out in scenario order, so asking for
@@ -210,9 +212,10 @@ class Scenarios:
     whose rows replay the same scenarios.
     """
 
-    def __init__(self, size: int, *, keep: bool = False) -> None:
+    def __init__(self, size: int, *, keep: bool = False, game: DialogueGame = MATCHING) -> None:
         self.size = size
         self.keep = keep
+        self.game = game
         self._cache: dict[int, tuple[int, asyncio.Future[Scenario]]] = {}  # seed: (index, future)
         # One thread per core: numpy releases the GIL only in the large steps of a scenario, so
         # asyncio's default pool (cores + 4 threads) made 64 scenarios no faster than one thread
@@ -223,7 +226,7 @@ class Scenarios:
         entry = self._cache.get(spec.scenario_seed)
         if entry is None:
             future = asyncio.get_running_loop().run_in_executor(
-                self._pool, generate_scenario, spec.scenario_seed, self.size
+                self._pool, self.game.new_scenario, spec.scenario_seed, self.size
             )
             entry = self._cache[spec.scenario_seed] = (spec.scenario_index, future)
         return entry[1]
@@ -298,6 +301,7 @@ async def play_many(
                 round=round,
                 max_actions=max_actions,
                 max_invalid=max_invalid,
+                game=scenarios.game,
             )
             if on_game is not None:
                 on_game(spec, record)

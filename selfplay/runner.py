@@ -41,6 +41,7 @@ import orjson
 
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.errors import UserError
+from selfplay.game import get_game
 from selfplay.generate_config import GenerateConfig
 from selfplay.locks import folder_lock
 from selfplay.metrics import GameSummary, Summary
@@ -281,7 +282,11 @@ def generate_seating(
     """Who plays: the model in both seats (self-play) or in ``policy_seat`` across the partner."""
     policy = llm_seat(engine, chat, config.sampling, name=config.model)
     return seating(
-        policy, config.partner, policy_seat=config.policy_seat, partner_client=partner_client
+        policy,
+        config.partner,
+        policy_seat=config.policy_seat,
+        partner_client=partner_client,
+        game=get_game(config.game),
     )
 
 
@@ -327,7 +332,7 @@ async def generate_games(
     if progress:
         progress.start(stats)
     summary = Summary()  # this run's games as they finish; kept ones are read back at the end
-    scenarios = Scenarios(config.table_size)
+    scenarios = Scenarios(config.table_size, game=get_game(config.game))
     writer = _Writer(config.games_path)
 
     def finished(spec: GameSpec, record: GameRecord) -> None:

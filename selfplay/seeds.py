@@ -16,9 +16,9 @@ and seed of every existing run folder: don't.
 
 from __future__ import annotations
 
-import numpy as np
+import hashlib
 
-from selfplay.players.llm import derive_seed
+import numpy as np
 
 TRAIN_SPACE = 0x5E1F_9A3E  # the first word of every training seed sequence
 EVAL_SPACE = 0x5E1F_E7A1  # the first word of every evaluation seed sequence
@@ -32,6 +32,15 @@ __all__ = [
     "game_seed",
     "scenario_seed",
 ]
+
+
+def derive_seed(*words: int) -> int:
+    """A 63-bit seed from non-negative integer words (run seed, round, scenario, game, seat, turn).
+
+    A hash (BLAKE2b) rather than a SeedSequence: it is called once per action and must be cheap.
+    """
+    data = b"".join(int(w).to_bytes(16, "little") for w in words)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 def _hash63(*words: int) -> int:

@@ -117,7 +117,7 @@ class SFTConfig(BaseModel):
 
 def scripted_name(spec: str) -> str:
     """``scripted:NAME`` (or a bare NAME) -> NAME; ValueError naming the accepted forms."""
-    from selfplay.players.scripted import SCRIPTED_NAMES
+    from selfplay.game.matching_scripted import SCRIPTED_NAMES
 
     kind, sep, name = spec.partition(":")
     if not sep:
@@ -153,10 +153,10 @@ def teacher_seed(seed: int, index: int) -> int:
 def play_teacher_games(config: SFTConfig, chat) -> list[GameRecord]:
     """The teacher's games, its cloned seats recorded token-exactly under ``chat``."""
     from selfplay.game.matching import generate_scenario
+    from selfplay.game.matching_scripted import make_scripted
     from selfplay.play import play_game
-    from selfplay.players.llm import derive_seed
-    from selfplay.players.scripted import make_scripted
     from selfplay.players.teacher import TeacherPlayer
+    from selfplay.seeds import derive_seed
 
     assert config.teacher is not None
     teacher = scripted_name(config.teacher)

@@ -43,6 +43,7 @@ from selfplay.records import (
     SeatConfig,
     SeatTokens,
     dump_record,
+    iter_game_records,
 )
 
 LLM = SeatConfig(kind="llm", name="tiny", trained=True)
@@ -829,15 +830,39 @@ def test_another_schema_version_is_an_error_and_writes_nothing(tmp_path):
     out.mkdir()
     (out / "train.parquet").write_bytes(b"previous run")
     other = orjson.loads(dump_record(game("x", "A", 0.9)))
-    other["schema_version"] = 2
+    other["schema_version"] = 3
     games = write(
         tmp_path / "games.jsonl",
         [game("a1", "A", 0.2), game("a2", "A", 0.8), orjson.dumps(other) + b"\n"],
     )
-    with pytest.raises(RecordError, match=r"games.jsonl:3: schema_version 2"):
+    with pytest.raises(RecordError, match=r"games.jsonl:3: schema_version 3, this selfplay reads"):
         convert(ConvertConfig(games=games, out=out))
     assert [p.name for p in out.iterdir()] == ["train.parquet"]
     assert (out / "train.parquet").read_bytes() == b"previous run"  # untouched
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_version_1_records_still_convert_as_matching_games(tmp_path, validate):
+    """Schema 1 (before GameRecord.game) is read by both paths, as the matching game's records;
+    a record of a game selfplay does not know is skipped with the known games named."""
+    new = [game("a1", "A", 0.2), game("a2", "A", 0.8)]
+    old = []
+    for record in new:
+        obj = orjson.loads(dump_record(record))
+        assert obj["schema_version"] == 2 and obj["game"] == "matching"
+        del obj["game"]
+        old.append(orjson.dumps({**obj, "schema_version": 1}) + b"\n")
+    unknown = orjson.loads(dump_record(game("a3", "A", 0.5)))
+    unknown["game"] = "chess"
+    _, rows_new, _ = run(tmp_path / "new", new, validate_records=validate)
+    s, rows_old, _ = run(
+        tmp_path / "old", [*old, orjson.dumps(unknown) + b"\n"], validate_records=True
+    )
+    assert rows_old == rows_new
+    assert [(n, "unknown game 'chess'" in why) for n, why in s.skipped] == [(3, True)]
+    again = list(iter_game_records(write(tmp_path / "old.jsonl", old)))
+    assert [r.game for r in again] == ["matching", "matching"]
+    assert [r.scenario for r in again] == [r.scenario for r in new]
 
 
 def test_mixed_tokenizers_are_an_error(tmp_path):

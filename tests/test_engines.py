@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -31,6 +29,7 @@ from selfplay.engines.synthetic import SyntheticEngine
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+from servers import free_port, running, serve, wait_healthy  # noqa: E402
 from sglang_standin import install_fake_sglang  # noqa: E402
 
 
@@ -271,47 +270,10 @@ def test_batcher_gathers_concurrent_requests_into_one_batch():
 # sglang client against the stand-in
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "stand-in server exited"
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 @pytest.fixture(scope="module")
 def standin(tiny_model):
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(TESTS / "sglang_standin.py"),
-            "--model-path",
-            str(tiny_model),
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with running([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)]) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def attach(url: str, model: str, **kw) -> SGLangEngine:
@@ -514,16 +476,6 @@ def test_openai_gives_up_after_retries():
         run(go())
 
 
-def _serve(args: list[str]) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, *args, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return f"http://127.0.0.1:{port}", proc
-
-
 def test_a_router_in_front_of_two_workers_serves_and_reloads_both(tiny_model, hf, tmp_path):
     """Scale-out: one URL (a router) in front of two SGLang servers. Generation goes through the
     router to both; a weight reload is sent to every worker the router lists."""
@@ -531,11 +483,11 @@ def test_a_router_in_front_of_two_workers_serves_and_reloads_both(tiny_model, hf
     try:
         workers = []
         for _ in range(2):
-            url, proc = _serve([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)])
+            url, proc = serve([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)])
             procs.append(proc)
             wait_healthy(url, proc)
             workers.append(url)
-        router, proc = _serve([str(TESTS / "router_standin.py"), "--workers", ",".join(workers)])
+        router, proc = serve([str(TESTS / "router_standin.py"), "--workers", ",".join(workers)])
         procs.append(proc)
         wait_healthy(router, proc)
         ids = prompt(hf, "hello there")

@@ -435,15 +435,10 @@ def test_cli_option_errors(tmp_path):
 @pytest.fixture
 def sglang_url(tiny_model):
     """The SGLang stand-in, serving the tiny model's weights whatever it is told to load."""
-    from test_engines import _serve, wait_healthy
+    from servers import running
 
-    url, proc = _serve([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)])
-    try:
-        wait_healthy(url, proc)
+    with running([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)]) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_eval_through_an_attached_sglang_server(sglang_url, tiny_model, other_model, tmp_path):

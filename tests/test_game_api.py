@@ -225,9 +225,10 @@ def test_engines_and_train_import_nothing_of_the_game(package):
         assert not bad, f"{path.name} imports {bad}"
 
 
-def test_importing_the_engines_loads_no_game_module():
+def test_importing_the_engines_and_the_trainer_loads_no_game_module():
     code = (
-        "import sys, selfplay.engines.openai, selfplay.engines.sglang\n"
+        "import sys, selfplay.engines.openai, selfplay.engines.sglang, selfplay.train.batch\n"
+        "import selfplay.train.trainer\n"
         "print(sorted(m for m in sys.modules if m.startswith(('selfplay.game', 'selfplay.play'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

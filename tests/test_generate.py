@@ -239,7 +239,7 @@ def test_same_seed_same_games(tiny_model, tmp_path):
 def test_a_server_dying_mid_run_is_a_clear_error_and_finished_games_are_kept(
     tiny_model, tmp_path, monkeypatch
 ):
-    from test_engines import free_port
+    from servers import free_port
 
     monkeypatch.setenv("PYTHONPATH", str(install_fake_sglang(tmp_path / "fake")))
     pid_file = tmp_path / "server.pid"

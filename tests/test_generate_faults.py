@@ -69,7 +69,7 @@ def test_sigkill_mid_run_then_rerun_gives_exactly_num_games_unique_games(tiny_mo
 
 
 def test_ctrl_c_shuts_the_launched_server_down_and_keeps_finished_games(tiny_model, tmp_path):
-    from test_engines import free_port
+    from servers import free_port
 
     out = tmp_path / "run"
     games = out / "games.jsonl"

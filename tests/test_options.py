@@ -267,8 +267,9 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
     assert set(dump) == {
         "name", "iterations", "model", "games_per_iter", "epochs_per_iter", "seed", "data_root",
         "checkpoint_root", "engine", "sampling", "games_per_scenario", "concurrency",
-        "table_size", "max_actions", "max_invalid", "partner", "policy_seat", "partner_base_url",
-        "partner_key_env", "partner_max_calls", "group_by", "val_fraction", "max_length",
+        "game", "table_size", "max_actions", "max_invalid", "partner", "policy_seat",
+        "partner_base_url", "partner_key_env", "partner_max_calls", "group_by", "val_fraction",
+        "max_length",
         "keep_degenerate", "invalid_penalty", "train", "warm_start", "warm_start_lr",
         "warm_start_epochs", "warm_start_mini_batch_size", "eval_scenarios", "eval_seed",
         "loggers",

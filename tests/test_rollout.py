@@ -10,10 +10,10 @@ import pytest
 
 from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
 from selfplay.evaluate import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
+from selfplay.game.matching_scripted import make_scripted
 from selfplay.generate_config import GenerateConfig
 from selfplay.metrics import summarize
 from selfplay.partners import OpenAIPartner, ScriptedPartner
-from selfplay.players.scripted import make_scripted
 from selfplay.rollout import (
     GameSpec,
     Scenarios,

@@ -12,14 +12,14 @@ from selfplay.cli import app
 from selfplay.evaluate import evaluate_scripted, play_scripted
 from selfplay.game import generate_scenario, parse_proposal
 from selfplay.game.matching import PAPERS_SHORT, REVIEWERS, mentions
-from selfplay.game.prompts import intro
-from selfplay.players.scripted import (
+from selfplay.game.matching_scripted import (
     Shy,
     format_values,
     make_scripted,
     parse_values,
     partner_events,
 )
+from selfplay.game.prompts import intro
 
 SCENARIO = generate_scenario(42)
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from servers import free_port, wait_healthy
 from typer.testing import CliRunner
 
 from selfplay.cli import app
@@ -41,19 +39,13 @@ def _serving_missing() -> str | None:
     return None if cli.exists() or shutil.which("transformers") else "no `transformers` CLI"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model, tmp_path_factory):
     """(base URL, model name) of `transformers serve` pinned to the tiny model."""
     reason = _serving_missing()
     if reason:
         pytest.skip(reason)
-    port = _free_port()
+    port = free_port()
     cli = Path(sys.executable).with_name("transformers")
     log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
     proc = subprocess.Popen(
@@ -63,16 +55,7 @@ def served(tiny_model, tmp_path_factory):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, "transformers serve exited; see its log"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "transformers serve did not come up in 180 s"
-            time.sleep(0.5)
+        wait_healthy(url, proc, timeout=180)  # its log has why, if it exits
         yield f"{url}/v1", str(tiny_model)
     finally:
         proc.terminate()

@@ -61,7 +61,7 @@ from selfplay.convert.rows import (
 )
 from selfplay.convert.stats import LengthStats, RewardStats, Stats
 from selfplay.errors import UserError
-from selfplay.records import SCHEMA_VERSION, TRAINING_SCHEMA, GameRecord, RecordError
+from selfplay.records import TRAINING_SCHEMA, GameRecord, RecordError, check_record_version
 
 __all__ = [
     "MAX_REPORTED_SKIPS",
@@ -210,13 +210,10 @@ class _Pass1:
                 if not isinstance(obj, dict):
                     self.skip(lineno, "not a JSON object")
                     continue
-                version = obj.get("schema_version")
-                if version != SCHEMA_VERSION:
-                    raise RecordError(
-                        f"{config.games}:{lineno}: schema_version {version!r}, this selfplay "
-                        f"reads {SCHEMA_VERSION}; regenerate the games or use a matching selfplay "
-                        "version. Nothing was written."
-                    )
+                try:
+                    check_record_version(obj, f"{config.games}:{lineno}")
+                except RecordError as e:
+                    raise RecordError(f"{e}. Nothing was written.") from None
                 try:
                     if config.validate_records:
                         parse_record(obj)  # a gate only: the rows are cut from the JSON

@@ -22,7 +22,9 @@ from selfplay.game.matching import (
 from selfplay.game.matching_game import MATCHING
 from selfplay.game.protocol import Action, Game, StepResult
 
+# Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
 GAMES: dict[str, DialogueGame] = {MATCHING.name: MATCHING}
+DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
 
 class UnknownGameError(UserError, ValueError):
@@ -39,6 +41,7 @@ def get_game(name: str) -> DialogueGame:
 
 
 __all__ = [
+    "DEFAULT_GAME",
     "GAMES",
     "MATCHING",
     "PAPERS",

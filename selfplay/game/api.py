@@ -7,7 +7,9 @@ check_game(game)`` checks a game against the contract below; every game must pas
 Contract (one line each):
 
 - Scenarios are values drawn deterministically from ``(seed, size)``: the same pair gives an
-  equal scenario, different seeds give different ones; each has a string ``id``.
+  equal scenario, different seeds give different ones; each has a string ``id``. They are
+  instances of ``scenario_type``, a pydantic model: a game record stores the scenario as its JSON
+  (``model_dump(mode="json")``) and reads it back with ``scenario_type.model_validate``, equal.
 - ``new_game`` builds fresh ``Rules`` (no randomness inside) and raises ``ValueError`` for limits
   below 1. A new game is not done and seat 0 or 1 is to move.
 - ``Rules.step(seat, text)`` never raises on bad text: an invalid action is reported to the acting
@@ -120,6 +122,7 @@ class DialogueGame(Protocol, Generic[S]):
     name: str
     min_size: int
     max_size: int
+    scenario_type: type[S]  # a pydantic model; records store scenarios as its JSON
 
     def new_scenario(self, seed: int, size: int) -> S: ...
 

@@ -22,12 +22,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import orjson
+
 from selfplay.game.api import QUESTION_KINDS, DialogueGame, GameOverError, Outcome, Rules
 
 MEMBERS = (
     "name",
     "min_size",
     "max_size",
+    "scenario_type",
     "new_scenario",
     "new_game",
     "intro",
@@ -160,9 +163,28 @@ def _check_scenarios(game: DialogueGame, seeds: list[int], size: int) -> list[An
             "scenario",
             f"id must be a non-empty string, got {scenario.id!r} (seed {seed})",
         )
+        _check_scenario_json(game, scenario, seed)
     for (a, sa), (b, sb) in itertools.combinations(zip(seeds, scenarios), 2):
         _expect(sa != sb, game, "scenario", f"seeds {a} and {b} give the same scenario")
     return scenarios
+
+
+def _check_scenario_json(game: DialogueGame, scenario: Any, seed: int) -> None:
+    """A record stores the scenario as JSON and reads it back with ``scenario_type``."""
+    kind = game.scenario_type
+    _expect(
+        isinstance(scenario, kind),
+        game,
+        "scenario",
+        f"{type(scenario).__name__} is not the game's scenario_type {kind!r} (seed {seed})",
+    )
+    try:
+        again = kind.model_validate(orjson.loads(orjson.dumps(scenario.model_dump(mode="json"))))
+    except Exception as e:
+        raise _error(
+            game, "scenario", f"its JSON does not read back: {type(e).__name__}: {e} (seed {seed})"
+        ) from e
+    _expect(again == scenario, game, "scenario", f"its JSON reads back different (seed {seed})")
 
 
 def _check_intro(c: _Case) -> None:

@@ -1,22 +1,25 @@
 """The DialOp matching game behind the ``DialogueGame`` interface: ``MATCHING``.
 
 A thin adapter: every member delegates to the rules in ``matching``, ``protocol``, ``prompts`` and
-``questions`` and to the scripted players in ``selfplay.players.scripted``. Those players import
-this package, so they are imported when first asked for, not at import time.
+``questions`` and to the scripted players in ``matching_scripted``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from selfplay.game import prompts, questions
 from selfplay.game.api import QuestionKind
 from selfplay.game.matching import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, Scenario
 from selfplay.game.matching import generate_scenario as _generate_scenario
+from selfplay.game.matching_scripted import SCRIPTED_NAMES, make_scripted
 from selfplay.game.protocol import Game
 
 if TYPE_CHECKING:
     from selfplay.players import Player
+
+_MESSAGE_TAG = re.compile(r"^\s*\[message\]", re.IGNORECASE)
 
 
 class MatchingGame:
@@ -25,6 +28,7 @@ class MatchingGame:
     name = "matching"
     min_size = MIN_N
     max_size = MAX_N
+    scenario_type = Scenario
 
     def new_scenario(self, seed: int, size: int) -> Scenario:
         return _generate_scenario(seed, size)
@@ -37,16 +41,13 @@ class MatchingGame:
 
     @property
     def scripted_names(self) -> tuple[str, ...]:
-        from selfplay.players.scripted import SCRIPTED_NAMES
-
         return SCRIPTED_NAMES
 
     def scripted(self, name: str, scenario: Scenario, seat: int, *, seed: int = 0) -> Player:
-        from selfplay.players.scripted import make_scripted
-
         return make_scripted(name, scenario, seat, seed=seed)
 
     def classify_question(self, text: str, scenario: Scenario | None = None) -> QuestionKind:
+        text = _MESSAGE_TAG.sub("", text, count=1)  # a recorded action keeps its tag
         return questions.classify_question(text, MAX_N if scenario is None else scenario.n)
 
     def direct_question(self, scenario: Scenario) -> str:

@@ -13,13 +13,13 @@ when it does not (a template that rewrites earlier turns cannot be extended toke
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 
 from selfplay.engines import Engine, EngineFailure, GenerationRequest
 from selfplay.errors import UserError
 from selfplay.records import SamplingParams, SeatConfig, SeatTokens
+from selfplay.seeds import derive_seed as derive_seed  # re-export: it lived here
 
 log = logging.getLogger(__name__)
 
@@ -202,15 +202,6 @@ def _user(content: str) -> dict[str, str]:
 
 def _assistant(content: str) -> dict[str, str]:
     return {"role": "assistant", "content": content}
-
-
-def derive_seed(*words: int) -> int:
-    """A 63-bit seed from non-negative integer words (run seed, round, scenario, game, seat, turn).
-
-    A hash (BLAKE2b) rather than a SeedSequence: it is called once per action and must be cheap.
-    """
-    data = b"".join(int(w).to_bytes(16, "little") for w in words)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 class SeatLog:

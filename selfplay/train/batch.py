@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from selfplay.errors import UserError
-from selfplay.records import SCHEMA_VERSION, TRAINING_SCHEMA
+from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,10 @@ def read_rows(path: str | Path) -> pa.Table:
     except (pa.ArrowInvalid, OSError) as e:
         raise TrainDataError(f"{path} is not a readable parquet file ({e})") from e
     version = (schema.metadata or {}).get(b"selfplay_schema_version")
-    if version is not None and version.decode() != str(SCHEMA_VERSION):
+    if version is not None and version.decode() != str(TRAINING_SCHEMA_VERSION):
         raise TrainDataError(
             f"{path} has training-row schema version {version.decode()}, this selfplay reads "
-            f"{SCHEMA_VERSION}; re-run `selfplay convert` with this version"
+            f"{TRAINING_SCHEMA_VERSION}; re-run `selfplay convert` with this version"
         )
     problems = []
     for name in REQUIRED_COLUMNS:

@@ -38,8 +38,8 @@ from selfplay.game.matching import (
     mentions,
     parse_proposal,
 )
-from selfplay.metrics import is_question
-from selfplay.records import SeatConfig, SeatTokens
+from selfplay.game.questions import is_question
+from selfplay.seats import SeatConfig, SeatTokens
 
 ScriptedName = Literal["cooperative", "no-talk", "shy", "random", "inquisitive"]
 SCRIPTED_NAMES: tuple[str, ...] = ("cooperative", "no-talk", "shy", "random", "inquisitive")

@@ -1,0 +1,59 @@
+"""Local servers for tests: a free port, a server script started on it, its health awaited.
+
+The SGLang and router stand-ins (``sglang_standin.py``, ``router_standin.py``) and ``transformers
+serve`` are started through here, so every test starts, waits for and stops them the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(args: list[str]) -> tuple[str, subprocess.Popen]:
+    """Start ``python ARGS --port P`` on a free port; (its URL, the process)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, *args, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return f"http://127.0.0.1:{port}", proc
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    """Return once ``url``/health answers 200; fail at once if the server exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server for {url} exited"
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@contextlib.contextmanager
+def running(args: list[str]) -> Iterator[str]:
+    """A healthy server from ``serve(args)`` for the block; killed after it."""
+    url, proc = serve(args)
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
