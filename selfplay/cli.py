@@ -23,7 +23,12 @@ from rich.console import Console
 from rich.table import Table
 
 from selfplay.convert import ConvertOptions
-from selfplay.engines import HFEngineConfig, SGLangEngineConfig
+from selfplay.engines import (
+    ENGINE_KINDS,
+    HFEngineConfig,
+    SGLangEngineConfig,
+    engine_config_class,
+)
 from selfplay.errors import UserError
 from selfplay.evaluate import EvalConfig
 from selfplay.generate_config import GenerateConfig
@@ -148,7 +153,13 @@ ITERATE = Fields(
 )
 
 # Options that no config holds.
-EngineOption = Annotated[str, typer.Option(help="hf (transformers in-process) or sglang.")]
+EngineOption = Annotated[
+    str,
+    typer.Option(
+        help=f"The engine: {', '.join(ENGINE_KINDS)} (hf: transformers in-process; sglang: a "
+        "server, launched or attached)."
+    ),
+]
 EngineUrlOption = Annotated[
     str | None, typer.Option(help="sglang: attach to a running server (or router) at this URL.")
 ]
@@ -163,17 +174,20 @@ LoggerOption = Annotated[
 
 
 def _check_engine(kind: str, url: str | None) -> None:
-    if kind not in ("hf", "sglang"):
-        raise fail(f"--engine must be hf or sglang, got {kind!r}")
+    if kind not in ENGINE_KINDS:
+        raise fail(f"--engine must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     if url and kind != "sglang":
         raise fail("--engine-url attaches to an SGLang server: add --engine sglang")
 
 
 def _engine(kind: str, url: str | None, opts: dict, model: str, **sglang):
-    """The engine config of --engine (checked) from a command's HF and SGLANG options."""
+    """The engine config of --engine (checked) from a command's HF and SGLANG options; another
+    engine gets its config's defaults."""
     if kind == "hf":
         return build(HF, opts, model=model)
-    return build(SGLANG, opts, model=model, url=url, **sglang)
+    if kind == "sglang":
+        return build(SGLANG, opts, model=model, url=url, **sglang)
+    return engine_config_class(kind)(model=model)
 
 
 def _tracked(logger: str, cfg, prefix: str, run, show):

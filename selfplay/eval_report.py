@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 from selfplay.evaluate import CrossPlay, EvalResult, EvalRow
+from selfplay.report import save_figure
 
 COLORS = {"model": "tab:blue", "baseline": "tab:gray", "human": "tab:green"}
 
@@ -88,10 +89,7 @@ def plot_rewards(result: EvalResult, path: Path) -> Path:
         fontsize=10,
     )
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_cross_play(cross: CrossPlay, path: Path) -> Path:
@@ -111,10 +109,7 @@ def plot_cross_play(cross: CrossPlay, path: Path) -> Path:
     ax.set_ylabel("seat 1")
     ax.set_title("cross-play reward (diagonal: self-play)", fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def markdown(result: EvalResult, plots: dict[str, Path]) -> str:

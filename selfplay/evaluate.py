@@ -51,7 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import (
@@ -226,7 +226,7 @@ class EvalConfig(PartnerOptions, PlayOptions):
     concurrency: int | None = Field(
         None, ge=1, description="Games in flight per row (default: all of them)."
     )
-    engine: Annotated[EngineConfig, Field(discriminator="kind")] | None = Field(
+    engine: EngineConfig | None = Field(
         None,
         description="Engine template of every model (hf or sglang, by its kind); its model is "
         "replaced by each model's path. Default: hf on --device with --max-batch-size.",

@@ -15,7 +15,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from selfplay import partners
-from selfplay.game import DEFAULT_GAME, GAMES, get_game
+from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
 from selfplay.game.matching import MAX_N, MIN_N
 from selfplay.records import SamplingParams
 
@@ -49,7 +49,7 @@ class PlayOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    game: str = Field(
+    game: GameName = Field(
         DEFAULT_GAME, description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game)."
     )
     table_size: int = Field(
@@ -67,12 +67,6 @@ class PlayOptions(BaseModel):
     max_invalid: int = Field(
         3, ge=1, description="Consecutive invalid actions of one seat that end a game."
     )
-
-    @field_validator("game")
-    @classmethod
-    def _known_game(cls, name: str) -> str:
-        get_game(name)  # UnknownGameError (a ValueError) names the known games
-        return name
 
     @field_validator("table_size")
     @classmethod

@@ -44,7 +44,7 @@ from pydantic import (
 )
 
 from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
-from selfplay.engines import HFEngineConfig, SGLangEngineConfig
+from selfplay.engines import EngineConfig, HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
 from selfplay.generate_config import GenerateConfig, GenerateOptions, PlayOptions
 from selfplay.locks import folder_lock
@@ -130,7 +130,7 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     )
     data_root: Path = Field(Path("data"), description="Where data/NAME goes.")
     checkpoint_root: Path = Field(Path("checkpoints"), description="Where checkpoints/NAME goes.")
-    engine: HFEngineConfig | SGLangEngineConfig = Field(
+    engine: EngineConfig = Field(
         description="The engine of every generate stage; its model is replaced every round."
     )
     games_per_scenario: int = Field(

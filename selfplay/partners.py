@@ -14,6 +14,7 @@ An API key is never an option: only the *name* of the environment variable that 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,10 +48,13 @@ class OpenAIPartner:
 PartnerSpec = SelfPlay | ScriptedPartner | OpenAIPartner
 
 
-def parse_partner(text: str | None) -> PartnerSpec:
-    """``None``/``self`` -> SelfPlay; ``scripted:NAME`` or a bare NAME -> ScriptedPartner;
-    ``openai:MODEL`` -> OpenAIPartner. Raises ValueError naming the accepted forms."""
-    from selfplay.game.matching_scripted import SCRIPTED_NAMES
+def parse_partner(text: str | None, scripted_names: Sequence[str] | None = None) -> PartnerSpec:
+    """``None``/``self`` -> SelfPlay; ``scripted:NAME`` or a bare NAME -> ScriptedPartner (NAME
+    one of the game's ``scripted_names``, the matching game's by default); ``openai:MODEL`` ->
+    OpenAIPartner. Raises ValueError naming the accepted forms."""
+    from selfplay.game import MATCHING
+
+    names = MATCHING.scripted_names if scripted_names is None else tuple(scripted_names)
 
     raw = "" if text is None else text.strip()
     if raw in ("", "self"):
@@ -61,9 +65,9 @@ def parse_partner(text: str | None) -> PartnerSpec:
     rest = rest.strip()
     match kind.strip().lower():
         case "scripted":
-            if rest not in SCRIPTED_NAMES:
+            if rest not in names:
                 raise ValueError(
-                    f"{rest!r} is not a scripted policy ({', '.join(SCRIPTED_NAMES)}); a partner "
+                    f"{rest!r} is not a scripted policy ({', '.join(names)}); a partner "
                     f"is {PARTNER_FORMS}"
                 )
             return ScriptedPartner(rest)
@@ -75,9 +79,9 @@ def parse_partner(text: str | None) -> PartnerSpec:
             raise ValueError(f"unknown partner {raw!r}; use {PARTNER_FORMS}")
 
 
-def canonical_partner(text: str | None) -> str | None:
+def canonical_partner(text: str | None, scripted_names: Sequence[str] | None = None) -> str | None:
     """The stored form: None (self-play), a bare scripted name, or ``openai:MODEL``."""
-    match parse_partner(text):
+    match parse_partner(text, scripted_names):
         case SelfPlay():
             return None
         case ScriptedPartner(name=name):
@@ -95,7 +99,7 @@ def policy_seat_index(policy_seat: int) -> int:
 
 
 def check_policy_seat(policy_seat: int, partner: str | None) -> int:
-    if policy_seat != 1 and isinstance(parse_partner(partner), SelfPlay):
+    if policy_seat != 1 and partner is None:  # canonical None: self-play
         raise ValueError(
             "the model plays both seats in self-play; --policy-seat 2 needs a --partner"
         )
@@ -104,7 +108,7 @@ def check_policy_seat(policy_seat: int, partner: str | None) -> int:
 
 def check_api_only(value, partner: str | None, option: str):
     """Options that only mean something for an ``openai:MODEL`` partner."""
-    if value is not None and not isinstance(parse_partner(partner), OpenAIPartner):
+    if value is not None and not (partner or "").startswith("openai:"):  # canonical form
         raise ValueError(
             f"{option} is for openai:MODEL partners; drop it or use --partner openai:MODEL"
         )
@@ -153,7 +157,12 @@ class PartnerOptions(BaseModel):
 
     @field_validator("partner")
     @classmethod
-    def _known_partner(cls, v: str | None) -> str | None:
+    def _known_partner(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # a config with a ``game`` field (declared before this one) takes that game's players
+        if "game" in info.data:
+            from selfplay.game import get_game
+
+            return canonical_partner(v, get_game(info.data["game"]).scripted_names)
         return canonical_partner(v)
 
     @field_validator("policy_seat")

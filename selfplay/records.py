@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from selfplay.errors import UserError
-from selfplay.game import DEFAULT_GAME, get_game
+from selfplay.game import DEFAULT_GAME, GameName, get_game
 from selfplay.game.api import Outcome
 from selfplay.seats import SamplingParams, SeatConfig, SeatTokens
 from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
@@ -80,7 +80,7 @@ class GameRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1, 2] = SCHEMA_VERSION
-    game: str = DEFAULT_GAME  # a name in selfplay.game.GAMES
+    game: GameName = DEFAULT_GAME  # a name in selfplay.game.GAMES
     game_id: str
     scenario_id: str
     round: int = 0
@@ -95,12 +95,6 @@ class GameRecord(BaseModel):
     reward: float
     counts: dict[str, int] = {}
     timings: dict[str, float] = {}
-
-    @field_validator("game")
-    @classmethod
-    def _known_game(cls, name: str) -> str:
-        get_game(name)  # UnknownGameError (a ValueError) names the known games
-        return name
 
     @field_validator("scenario")
     @classmethod

@@ -29,6 +29,14 @@ class ReportError(UserError, ValueError):
     """A run directory without metrics to report."""
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it (pyplot keeps open figures alive)."""
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _fmt(x, fmt: str = ".3f") -> str:
     """A table cell: blank for a missing or undefined (NaN) statistic."""
     return "" if x is None or x != x else format(x, fmt)
@@ -80,10 +88,7 @@ def _line_plot(rows, key, title, ylabel, path, *, ci=None, hlines=None) -> Path:
     ax.grid(alpha=0.3)
     if ci is not None or hlines:
         ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _run_manifest(run_dir: Path) -> Manifest | None:
@@ -133,10 +138,7 @@ def _heldout_plot(
     ax.set_xticks(ks)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _questions_plot(rows, path: Path) -> Path:
@@ -152,10 +154,7 @@ def _questions_plot(rows, path: Path) -> Path:
     ax.set_xticks(rounds)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _heldout_table(manifest: Manifest) -> list[str]:
@@ -276,10 +275,7 @@ def _reward_vs_questions(run_dir: Path, rows, path: Path) -> Path | None:
     ax.set(xlabel="questions in the game", ylabel="normalised reward", title="Reward vs questions")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(

@@ -182,7 +182,9 @@ def seating(
     An ``openai:MODEL`` partner needs ``partner_client``: every game's API seat shares it (its
     concurrency, reply cache and call cap); the caller opens and closes it.
     """
-    spec = partner if isinstance(partner, PartnerSpec) else parse_partner(partner)
+    spec = (
+        partner if isinstance(partner, PartnerSpec) else parse_partner(partner, game.scripted_names)
+    )
     match spec:
         case SelfPlay():
             return Seating(policy, None, policy_seat)

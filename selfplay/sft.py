@@ -271,21 +271,11 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
     check_new_output(config.out)  # before the teacher plays a single game
     chat = load_chat_format(config.model)
     rows_path, sources = build_rows(config, chat)
+    shared = set(SFTConfig.model_fields) & set(TrainConfig.model_fields)  # model, out, lr, ...
     tcfg = TrainConfig(
         data=rows_path,
-        model=config.model,
-        out=config.out,
-        epochs=config.epochs,
-        lr=config.lr,
-        mini_batch_size=config.mini_batch_size,
         batch_size=config.mini_batch_size * 4,
-        micro_batch_size=config.micro_batch_size,
-        max_length=config.max_length,
-        seed=config.seed,
-        dtype=config.dtype,
-        gpus=config.gpus,
-        ray_address=config.ray_address,
-        save_verl_checkpoint=config.save_verl_checkpoint,
+        **config.model_dump(include=shared),
     )
     result = train_sft(tcfg, on_step=on_step)
     return SFTResult(config.out, rows_path, result.rows, sources, result.steps)

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -517,3 +518,30 @@ def test_a_router_in_front_of_two_workers_serves_and_reloads_both(tiny_model, hf
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+# --- the registry: engines are looked up by kind, opened by their config's path -----------------
+
+
+class _EchoConfig(HFEngineConfig):
+    engine: ClassVar[str] = "test_engines:_EchoEngine"
+
+
+class _EchoEngine:
+    def __init__(self, config) -> None:
+        self.config = config
+
+
+def test_engines_are_registered_by_kind_and_opened_by_their_path(monkeypatch):
+    from selfplay import engines
+
+    assert engines.ENGINE_KINDS == ("hf", "sglang")
+    assert engines.engine_config_class("sglang") is SGLangEngineConfig
+    with pytest.raises(ValueError, match="unknown engine 'vllm'; engines: hf, sglang"):
+        engines.engine_config_class("vllm")
+    config = _EchoConfig(model="m")
+    with pytest.raises(ValueError, match="unknown engine config _EchoConfig"):
+        open_engine(config)  # not registered
+    monkeypatch.setattr(engines, "ENGINE_CONFIGS", (*engines.ENGINE_CONFIGS, _EchoConfig))
+    engine = open_engine(config)
+    assert type(engine).__name__ == "_EchoEngine" and engine.config is config

@@ -14,7 +14,14 @@ from selfplay.game.conformance import check_game
 from selfplay.generate_config import GenerateConfig
 from selfplay.metrics import summarize
 from selfplay.records import GameRecord, ReadReport, append_records, iter_game_records
-from selfplay.rollout import Scenarios, Seating, play_plan, scripted_seat, training_plan
+from selfplay.rollout import (
+    Scenarios,
+    Seating,
+    play_plan,
+    scripted_seat,
+    seating,
+    training_plan,
+)
 
 
 @pytest.fixture
@@ -77,3 +84,15 @@ def test_the_config_takes_the_game_and_its_sizes(registered, tmp_path):
         GenerateConfig(**base, game="chess")
     assert "game" not in GenerateConfig(**base).identity()  # runs before --game still resume
     assert GenerateConfig(**base, game="sum", table_size=3).identity()["game"] == "sum"
+
+
+def test_a_scripted_partner_is_one_of_the_games_own_players(registered, tmp_path):
+    base = dict(out=tmp_path, num_games=2, model="m", game="sum", table_size=2)
+    assert GenerateConfig(**base, partner="scripted:teller").partner == "teller"
+    with pytest.raises(
+        ValidationError, match=r"'shy' is not a scripted policy \(teller, guesser\)"
+    ):
+        GenerateConfig(**base, partner="shy")
+    seats = seating(scripted_seat("teller", SUM), "guesser", policy_seat=2, game=SUM)
+    one, two = seats.players(SUM.new_scenario(0, 2), seed=0)
+    assert (one.config.name, two.config.name) == ("guesser", "teller")

@@ -8,16 +8,18 @@ Engines are transport only and know nothing about games. Three kinds:
 - ``openai``: any OpenAI-compatible chat endpoint (messages in, text out) for fixed API partners;
   it speaks ``ChatEngine``, not ``Engine``.
 
-``open_engine(config)`` is the one ``match`` that picks a token engine. A dead or unreachable
+``ENGINE_CONFIGS`` lists the token engines' configs (each names its engine class, imported only
+when ``open_engine(config)`` opens it). A dead or unreachable
 engine raises ``EngineFailure`` (fatal for a run); a request the engine rejects raises
 ``EngineRequestError`` (the game ends with outcome ``error``).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Annotated, ClassVar, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +28,8 @@ from selfplay.errors import EngineFailure
 FinishReason = Literal["stop", "length", "abort"]
 
 __all__ = [
+    "ENGINE_CONFIGS",
+    "ENGINE_KINDS",
     "ChatEngine",
     "Engine",
     "EngineConfig",
@@ -36,6 +40,7 @@ __all__ = [
     "GenerationRequest",
     "HFEngineConfig",
     "SGLangEngineConfig",
+    "engine_config_class",
     "open_engine",
 ]
 
@@ -106,7 +111,10 @@ class ChatEngine(Protocol):
 
 
 class HFEngineConfig(BaseModel):
+    """transformers in-process: batched decoding with a prefix KV cache (CPU or one GPU)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
+    engine: ClassVar[str] = "selfplay.engines.hf:HFEngine"  # imported when opened (torch)
 
     kind: Literal["hf"] = "hf"
     model: str
@@ -129,7 +137,10 @@ class HFEngineConfig(BaseModel):
 
 
 class SGLangEngineConfig(BaseModel):
+    """An SGLang server launched here, or attached by URL (a router in front of many)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
+    engine: ClassVar[str] = "selfplay.engines.sglang:SGLangEngine"
 
     kind: Literal["sglang"] = "sglang"
     model: str
@@ -159,22 +170,28 @@ class SGLangEngineConfig(BaseModel):
     max_connections: int = Field(1024, ge=1)
 
 
-EngineConfig = HFEngineConfig | SGLangEngineConfig
+# The engines there are. Adding one: a module with its Engine class (built from its config), its
+# config class above (a ``kind`` literal and the ``engine`` path), and its entry here. Configs
+# validate by ``kind`` wherever a config holds an engine; ``--engine`` takes every kind.
+ENGINE_CONFIGS: tuple[type[BaseModel], ...] = (HFEngineConfig, SGLangEngineConfig)
+ENGINE_KINDS: tuple[str, ...] = tuple(c.model_fields["kind"].default for c in ENGINE_CONFIGS)
+EngineConfig = Annotated[Union[ENGINE_CONFIGS], Field(discriminator="kind")]  # noqa: UP007
 
 
-def open_engine(config: EngineConfig) -> Engine:
+def engine_config_class(kind: str) -> type[BaseModel]:
+    """The config class of engine ``kind``; ``ValueError`` naming the kinds there are."""
+    for config in ENGINE_CONFIGS:
+        if config.model_fields["kind"].default == kind:
+            return config
+    raise ValueError(f"unknown engine {kind!r}; engines: {', '.join(ENGINE_KINDS)}")
+
+
+def open_engine(config: BaseModel) -> Engine:
     """Build the engine a config names (an SGLang server is launched here, awaited in ``start``).
 
     The caller owns the engine and must ``await engine.aclose()`` (also on Ctrl-C).
     """
-    match config:
-        case HFEngineConfig():
-            from selfplay.engines.hf import HFEngine
-
-            return HFEngine(config)
-        case SGLangEngineConfig():
-            from selfplay.engines.sglang import SGLangEngine
-
-            return SGLangEngine(config)
-        case _:
-            raise ValueError(f"unknown engine config {type(config).__name__}")
+    if type(config) not in ENGINE_CONFIGS:
+        raise ValueError(f"unknown engine config {type(config).__name__}")
+    module, name = type(config).engine.split(":")
+    return getattr(importlib.import_module(module), name)(config)

@@ -5,6 +5,10 @@ Pure rules: no I/O, no engines, no torch. ``api.DialogueGame`` is the interface;
 there are and ``get_game(name)`` picks one. The matching game's own names stay exported here.
 """
 
+from typing import Annotated
+
+from pydantic import AfterValidator
+
 from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
 from selfplay.game.matching import (
@@ -40,6 +44,14 @@ def get_game(name: str) -> DialogueGame:
         raise UnknownGameError(f"unknown game {name!r}; known games: {known}") from None
 
 
+def _known(name: str) -> str:
+    get_game(name)  # UnknownGameError is a ValueError: pydantic reports it on the field
+    return name
+
+
+GameName = Annotated[str, AfterValidator(_known)]  # a config or record field naming a game
+
+
 __all__ = [
     "DEFAULT_GAME",
     "GAMES",
@@ -50,6 +62,7 @@ __all__ = [
     "Action",
     "DialogueGame",
     "Game",
+    "GameName",
     "GameOverError",
     "Outcome",
     "ProposalError",

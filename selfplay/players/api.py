@@ -279,12 +279,8 @@ def open_partner_client(config: ApiPartnerConfig) -> PartnerClient:
         )
     engine = OpenAIEngine(
         OpenAIEngineConfig(
-            model=config.model,
-            base_url=config.base_url,
-            api_key_env=config.api_key_env,
-            request_timeout_s=config.request_timeout_s,
-            retries=config.retries,
-            backoff_s=config.backoff_s,
+            # model, base_url, api_key_env (the variable's name), timeout, retries, backoff
+            **config.model_dump(include=set(OpenAIEngineConfig.model_fields) - {"kind"}),
             max_connections=config.concurrency,
         )
     )
