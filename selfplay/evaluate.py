@@ -184,11 +184,9 @@ class ModelSpec(BaseModel):
     model: str = Field(min_length=1)
 
 
-def _scripted_name(name: str) -> str:
-    if name not in SCRIPTED_NAMES:
-        raise ValueError(
-            f"{name!r} is not a scripted policy; choose from {', '.join(SCRIPTED_NAMES)}"
-        )
+def _scripted_name(name: str, names: Sequence[str] = SCRIPTED_NAMES) -> str:
+    if name not in names:
+        raise ValueError(f"{name!r} is not a scripted policy; choose from {', '.join(names)}")
     return name
 
 
@@ -218,7 +216,10 @@ class EvalConfig(PartnerOptions, PlayOptions):
         "tokens per action at most.",
     )
     baselines: tuple[str, ...] = Field(
-        BASELINES, description="Scripted baseline rows (empty for none)."
+        BASELINES,
+        validate_default=True,  # the default depends on the game
+        description="Scripted baseline rows (empty for none; another game than matching: its "
+        "own scripted players by default).",
     )
     cross_play: bool = Field(
         False, description="Also play every ordered pair of models; matrix and gaps."
@@ -252,8 +253,11 @@ class EvalConfig(PartnerOptions, PlayOptions):
 
     @field_validator("baselines")
     @classmethod
-    def _baselines_known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(_scripted_name(b) for b in v)
+    def _baselines_known(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        game = get_game(info.data.get("game", MATCHING.name))
+        if game is not MATCHING and v == BASELINES:  # the default names the matching players
+            return tuple(game.scripted_names)
+        return tuple(_scripted_name(b, game.scripted_names) for b in v)
 
     @field_validator("models")
     @classmethod
@@ -687,7 +691,8 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
         for lm in kept:
             await lm.engine.aclose()
         await ev.aclose()
-    rows.append(human_reference(config.human_data))
+    if config.game == MATCHING.name:  # the human games are matching games
+        rows.append(human_reference(config.human_data))
     result = EvalResult(
         config=config,
         scenario_seeds=ev.seeds,

@@ -39,6 +39,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -164,7 +165,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
 
     @field_validator("warm_start")
     @classmethod
-    def _warm_start_form(cls, v: str | None) -> str | None:
+    def _warm_start_form(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("game", "matching") != "matching":
+            raise ValueError(
+                "the warm start clones the matching game's scripted players (selfplay sft); "
+                f"--game {info.data['game']} has no teacher games yet: drop --warm-start"
+            )
         if v is not None and v.startswith("scripted:"):
             parse_warm_start(v)
         return v
@@ -435,6 +441,17 @@ def parse_warm_start(spec: str) -> tuple[str, int]:
     return parts[1], int(parts[2])
 
 
+def _heldout_baselines(game: str) -> tuple[str, ...]:
+    """The held-out baseline rows: the matching game's three baselines and inquisitive (the
+    asking reference, the upper bound beside a shy partner); another game's scripted players."""
+    from selfplay.evaluate import BASELINES
+    from selfplay.game import MATCHING, get_game
+
+    if game == MATCHING.name:
+        return (*BASELINES, "inquisitive")
+    return tuple(get_game(game).scripted_names)
+
+
 def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
     """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
     from selfplay.sft import SFTConfig, sft
@@ -503,7 +520,7 @@ def _heldout_eval(
 ) -> tuple[HeldOut, dict[str, HeldOut]]:
     """Greedy games of ``model`` on the run's held-out scenarios (in a child), and the scripted
     baselines on the same scenarios when asked."""
-    from selfplay.evaluate import BASELINES, EvalConfig, ModelSpec, run_eval
+    from selfplay.evaluate import EvalConfig, ModelSpec, run_eval
 
     # the run's own engine: hf on its device, or SGLang (an attached server loads the evaluated
     # weights with update_weights_from_disk, as the next round would)
@@ -518,8 +535,7 @@ def _heldout_eval(
             num_scenarios=cfg.eval_scenarios,
             seed=cfg.eval_seed,
             sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
-            # inquisitive: the asking reference, the upper bound beside a shy partner
-            baselines=(*BASELINES, "inquisitive") if baselines else (),
+            baselines=_heldout_baselines(cfg.game) if baselines else (),
             **where,
             out=out,
             **cfg.model_dump(

@@ -96,3 +96,36 @@ def test_a_scripted_partner_is_one_of_the_games_own_players(registered, tmp_path
     seats = seating(scripted_seat("teller", SUM), "guesser", policy_seat=2, game=SUM)
     one, two = seats.players(SUM.new_scenario(0, 2), seed=0)
     assert (one.config.name, two.config.name) == ("guesser", "teller")
+
+
+def test_eval_plays_a_model_and_the_games_own_baselines(registered, tiny_model):
+    """selfplay eval on the second game: the model row (the tiny random model breaks the rules,
+    as a game outcome), the game's scripted players as default baselines, no (matching) human
+    row; iterate refuses the matching-only warm start for it."""
+    from selfplay.evaluate import EvalConfig, ModelSpec, run_eval
+    from selfplay.iterate import IterateConfig
+    from selfplay.records import SamplingParams
+
+    config = EvalConfig(
+        models=(ModelSpec(label="tiny", model=str(tiny_model)),),
+        game="sum",
+        table_size=2,
+        num_scenarios=3,
+        max_actions=6,
+        max_invalid=2,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=8),
+        device="cpu",
+    )
+    assert config.baselines == ("teller", "guesser")
+    with pytest.raises(ValidationError, match="'cooperative' is not a scripted policy; choose"):
+        EvalConfig.model_validate({**config.model_dump(), "baselines": ("cooperative",)})
+    result = run_eval(config)
+    rows = {r.name: r for r in result.rows}
+    assert set(rows) == {"tiny", "teller", "guesser"}
+    assert rows["teller"].reward_mean == 1.0 and rows["teller"].games == 3
+    assert rows["tiny"].games == 3 and rows["tiny"].outcomes.get("invalid") == 3
+    with pytest.raises(ValidationError, match=r"warm_start\n.*--game sum has no teacher games"):
+        IterateConfig(
+            name="r", iterations=1, model="m", engine={"kind": "hf", "model": "m"},
+            game="sum", table_size=2, warm_start="scripted:teller:8",
+        )  # fmt: skip
