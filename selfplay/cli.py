@@ -246,8 +246,10 @@ def eval_cmd(
     num_scenarios: int | None = typer.Option(
         None, min=1, help="Held-out scenarios (default 100); every row plays the same ones."
     ),
-    baselines: str = typer.Option(
-        "cooperative,no-talk,random", help="Scripted baseline rows (comma-separated; '' for none)."
+    baselines: str | None = typer.Option(
+        None,
+        help="Scripted baseline rows, comma-separated ('' for none; default: cooperative,no-talk,"
+        "random, or another game's scripted players).",
     ),
     engine: EngineOption = "hf",
     engine_url: EngineUrlOption = None,
@@ -307,7 +309,9 @@ def eval_cmd(
         opts,
         models=tuple(specs),
         num_scenarios=num_scenarios or 100,
-        baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
+        baselines=None
+        if baselines is None
+        else tuple(b.strip() for b in baselines.split(",") if b.strip()),
         engine=template,
         human_data=human_data,
         out=out,

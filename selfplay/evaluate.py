@@ -73,8 +73,8 @@ from selfplay.engines import (
     open_engine,
 )
 from selfplay.errors import UserError
-from selfplay.game import MATCHING, get_game
-from selfplay.game.matching_scripted import SCRIPTED_NAMES, make_scripted
+from selfplay.game import MATCHING, DialogueGame, game_of, get_game
+from selfplay.game.matching_scripted import make_scripted
 from selfplay.generate_config import PlayOptions
 from selfplay.manifest import read_manifest
 from selfplay.metrics import GameSummary, mean_ci, summarize
@@ -184,7 +184,13 @@ class ModelSpec(BaseModel):
     model: str = Field(min_length=1)
 
 
-def _scripted_name(name: str, names: Sequence[str] = SCRIPTED_NAMES) -> str:
+def default_baselines(game: DialogueGame) -> tuple[str, ...]:
+    """Eval's baseline rows when none are named: ``BASELINES`` for the matching game, another
+    game's own scripted players."""
+    return BASELINES if game is MATCHING else tuple(game.scripted_names)
+
+
+def _scripted_name(name: str, names: Sequence[str]) -> str:
     if name not in names:
         raise ValueError(f"{name!r} is not a scripted policy; choose from {', '.join(names)}")
     return name
@@ -215,11 +221,11 @@ class EvalConfig(PartnerOptions, PlayOptions):
         description="The models' sampling: temperature (0: greedy, deterministic), top-p and "
         "tokens per action at most.",
     )
-    baselines: tuple[str, ...] = Field(
-        BASELINES,
-        validate_default=True,  # the default depends on the game
-        description="Scripted baseline rows (empty for none; another game than matching: its "
-        "own scripted players by default).",
+    baselines: tuple[str, ...] | None = Field(
+        None,
+        validate_default=True,  # None becomes the game's default_baselines
+        description="Scripted baseline rows (empty for none; default: cooperative, no-talk, "
+        "random; another game: its scripted players).",
     )
     cross_play: bool = Field(
         False, description="Also play every ordered pair of models; matrix and gaps."
@@ -253,10 +259,10 @@ class EvalConfig(PartnerOptions, PlayOptions):
 
     @field_validator("baselines")
     @classmethod
-    def _baselines_known(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
-        game = get_game(info.data.get("game", MATCHING.name))
-        if game is not MATCHING and v == BASELINES:  # the default names the matching players
-            return tuple(game.scripted_names)
+    def _baselines_known(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...]:
+        game = game_of(info) or MATCHING
+        if v is None:
+            return default_baselines(game)
         return tuple(_scripted_name(b, game.scripted_names) for b in v)
 
     @field_validator("models")

@@ -15,7 +15,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from selfplay import partners
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
+from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of
 from selfplay.game.matching import MAX_N, MIN_N
 from selfplay.records import SamplingParams
 
@@ -71,13 +71,11 @@ class PlayOptions(BaseModel):
     @field_validator("table_size")
     @classmethod
     def _size_of_the_game(cls, size: int, info: ValidationInfo) -> int:
-        if "game" in info.data:  # else the game's own error is reported
-            game = get_game(info.data["game"])
-            if not game.min_size <= size <= game.max_size:
-                raise ValueError(
-                    f"the {game.name} game's sizes are {game.min_size} to {game.max_size}, "
-                    f"not {size}"
-                )
+        game = game_of(info)  # None: the game's own error is reported
+        if game is not None and not game.min_size <= size <= game.max_size:
+            raise ValueError(
+                f"the {game.name} game's sizes are {game.min_size} to {game.max_size}, not {size}"
+            )
         return size
 
 

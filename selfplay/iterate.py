@@ -47,6 +47,7 @@ from pydantic import (
 from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
 from selfplay.engines import EngineConfig, HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
+from selfplay.game import DEFAULT_GAME, MATCHING, game_of, get_game
 from selfplay.generate_config import GenerateConfig, GenerateOptions, PlayOptions
 from selfplay.locks import folder_lock
 from selfplay.manifest import Manifest, RoundRecord, StageRecord, read_manifest
@@ -166,10 +167,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     @field_validator("warm_start")
     @classmethod
     def _warm_start_form(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is not None and info.data.get("game", "matching") != "matching":
+        game = game_of(info)
+        if v is not None and game is not None and game is not MATCHING:
             raise ValueError(
                 "the warm start clones the matching game's scripted players (selfplay sft); "
-                f"--game {info.data['game']} has no teacher games yet: drop --warm-start"
+                f"--game {game.name} has no teacher games yet: drop --warm-start"
             )
         if v is not None and v.startswith("scripted:"):
             parse_warm_start(v)
@@ -208,7 +210,7 @@ ADDED_LATER = {
     "warm_start_mini_batch_size": 4,
     "eval_scenarios": 0,
     "eval_seed": 7,
-    "game": "matching",
+    "game": DEFAULT_GAME,
 }
 
 
@@ -441,15 +443,14 @@ def parse_warm_start(spec: str) -> tuple[str, int]:
     return parts[1], int(parts[2])
 
 
-def _heldout_baselines(game: str) -> tuple[str, ...]:
-    """The held-out baseline rows: the matching game's three baselines and inquisitive (the
-    asking reference, the upper bound beside a shy partner); another game's scripted players."""
-    from selfplay.evaluate import BASELINES
-    from selfplay.game import MATCHING, get_game
+def _heldout_baselines(name: str) -> tuple[str, ...]:
+    """The held-out baseline rows: eval's default ones, and for the matching game inquisitive too
+    (the asking reference, the upper bound beside a shy partner)."""
+    from selfplay.evaluate import default_baselines
 
-    if game == MATCHING.name:
-        return (*BASELINES, "inquisitive")
-    return tuple(get_game(game).scripted_names)
+    game = get_game(name)
+    names = default_baselines(game)
+    return (*names, "inquisitive") if game is MATCHING else names
 
 
 def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:

@@ -158,12 +158,10 @@ class PartnerOptions(BaseModel):
     @field_validator("partner")
     @classmethod
     def _known_partner(cls, v: str | None, info: ValidationInfo) -> str | None:
-        # a config with a ``game`` field (declared before this one) takes that game's players
-        if "game" in info.data:
-            from selfplay.game import get_game
+        from selfplay.game import game_of
 
-            return canonical_partner(v, get_game(info.data["game"]).scripted_names)
-        return canonical_partner(v)
+        game = game_of(info)  # a config with a ``game`` field takes that game's players
+        return canonical_partner(v, None if game is None else game.scripted_names)
 
     @field_validator("policy_seat")
     @classmethod

@@ -7,7 +7,7 @@ there are and ``get_game(name)`` picks one. The matching game's own names stay e
 
 from typing import Annotated
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, ValidationInfo
 
 from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
@@ -52,6 +52,13 @@ def _known(name: str) -> str:
 GameName = Annotated[str, AfterValidator(_known)]  # a config or record field naming a game
 
 
+def game_of(info: ValidationInfo) -> DialogueGame | None:
+    """In a field validator: the game named by the model's ``game`` field (declared, so validated,
+    before the field at hand); None when the model has no such field or refused its value."""
+    name = info.data.get("game")
+    return None if name is None else GAMES.get(name)
+
+
 __all__ = [
     "DEFAULT_GAME",
     "GAMES",
@@ -70,6 +77,7 @@ __all__ = [
     "StepResult",
     "UnknownGameError",
     "best_assignment",
+    "game_of",
     "generate_scenario",
     "get_game",
     "parse_proposal",
