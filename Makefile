@@ -6,14 +6,14 @@
 # model evaluated greedily on the same 16 held-out scenarios; the report: data/demo/REPORT.md.
 # Re-running resumes (a finished run only rewrites the report).
 DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:32 \
-	--warm-start-lr 2e-4 --dtype bf16 --iterations 2 --games-per-iter 12 \
+	--warm-start-lr 2e-4 --iterations 2 --games-per-iter 12 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
 	--eval-scenarios 16 --micro-batch-size 4
 
 # The longer CPU experiment (about an hour): can GRPO raise held-out reward above the
 # warm-started model and above the scripted teacher it was cloned from? See README, "Learning".
 LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
-	--warm-start-lr 2e-4 --dtype bf16 --iterations 3 --games-per-iter 32 \
+	--warm-start-lr 2e-4 --iterations 3 --games-per-iter 32 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 5e-6 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
@@ -23,7 +23,7 @@ LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
 # learn to ask? See README, "The shy partner". 20 actions a game leave room to ask (at 10 even the
 # inquisitive reference runs out of actions before it proposes).
 SHY_ARGS ?= --name shy --table-size 3 --partner scripted:shy --warm-start scripted:cooperative:24 \
-	--warm-start-lr 2e-4 --dtype bf16 --iterations 4 --games-per-iter 32 \
+	--warm-start-lr 2e-4 --iterations 4 --games-per-iter 32 \
 	--games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-5 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 

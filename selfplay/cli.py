@@ -94,7 +94,9 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
 
 # The options of the commands, built from their configs' fields (selfplay.options).
 HF = Fields(
-    HFEngineConfig, include=("device", "max_batch_size", "prefix_cache_tokens"), prefix="hf: "
+    HFEngineConfig,
+    include=("device", "dtype", "max_batch_size", "prefix_cache_tokens"),
+    prefix="hf: ",
 )
 SGLANG = Fields(
     SGLangEngineConfig,

@@ -76,6 +76,7 @@ from selfplay.errors import UserError
 from selfplay.game import MATCHING, DialogueGame, game_of, get_game
 from selfplay.game.matching_scripted import make_scripted
 from selfplay.generate_config import PlayOptions
+from selfplay.hardware import ComputeDtype
 from selfplay.manifest import read_manifest
 from selfplay.metrics import GameSummary, mean_ci, summarize
 from selfplay.partners import PartnerOptions
@@ -246,6 +247,7 @@ class EvalConfig(PartnerOptions, PlayOptions):
         ge=1,
         description="hf: requests decoded together at most. Without --engine only.",
     )
+    dtype: ComputeDtype = "auto"
     human_data: Path | None = Field(
         None,
         description="DialOp optimization.jsonl for the human row (default: $SELFPLAY_HUMAN_DATA, "
@@ -299,10 +301,12 @@ class EvalConfig(PartnerOptions, PlayOptions):
         if self.cross_play and len(self.models) < 2:
             raise ValueError("cross_play: needs at least two models")
         if self.engine is not None and (
-            self.device is not None or self.max_batch_size != DEFAULT_MAX_BATCH
+            self.device is not None
+            or self.max_batch_size != DEFAULT_MAX_BATCH
+            or self.dtype != "auto"
         ):
             raise ValueError(
-                "device: device and max_batch_size configure the default hf engine; with an "
+                "device: device, dtype and max_batch_size configure the default hf engine; with an "
                 "engine config, set them on it (engine.device, engine.max_batch_size)"
             )
         if self.cross_play and isinstance(self.engine, SGLangEngineConfig) and self.engine.url:
@@ -317,7 +321,10 @@ class EvalConfig(PartnerOptions, PlayOptions):
         model's path (a launched SGLang server on port + index)."""
         if self.engine is None:
             return HFEngineConfig(
-                model=model, device=self.device, max_batch_size=self.max_batch_size
+                model=model,
+                device=self.device,
+                max_batch_size=self.max_batch_size,
+                dtype=self.dtype,
             )
         update: dict = {"model": model}
         if isinstance(self.engine, SGLangEngineConfig) and not self.engine.url:

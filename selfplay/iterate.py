@@ -45,7 +45,7 @@ from pydantic import (
 )
 
 from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
-from selfplay.engines import EngineConfig, HFEngineConfig, SGLangEngineConfig
+from selfplay.engines import EngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
 from selfplay.game import DEFAULT_GAME, MATCHING, game_of, get_game
 from selfplay.generate_config import GenerateConfig, GenerateOptions, PlayOptions
@@ -218,7 +218,7 @@ TRAIN_ADDED_LATER = {
     "nodes": 1,
     "updates_per_round": 4,
     "entropy_coef": 0.0,
-    "dtype": None,
+    "dtype": "auto",  # older runs stored None, read as auto
 }
 # Train options a resume may change (what is kept on disk, not what is trained).
 TRAIN_RESUMABLE = ("keep_checkpoints", "save_verl_checkpoint")  # the latter: its earlier name
@@ -234,6 +234,8 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
         if out.get(name) is not None:
             out[name] = str(Path(out[name]).resolve())
     train = {k: v for k, v in (out.get("train") or {}).items() if k not in TRAIN_RESUMABLE}
+    if "dtype" in train and train["dtype"] is None:  # before auto had a name
+        train["dtype"] = "auto"
     for name, old in TRAIN_ADDED_LATER.items():
         if train.get(name, old) == old:
             train.pop(name, None)
@@ -523,13 +525,9 @@ def _heldout_eval(
     baselines on the same scenarios when asked."""
     from selfplay.evaluate import EvalConfig, ModelSpec, run_eval
 
-    # the run's own engine: hf on its device, or SGLang (an attached server loads the evaluated
-    # weights with update_weights_from_disk, as the next round would)
-    where = (
-        {"device": cfg.engine.device}
-        if isinstance(cfg.engine, HFEngineConfig)
-        else {"engine": cfg.engine}
-    )
+    # the run's own engine: hf on its device and dtype, or SGLang (an attached server loads the
+    # evaluated weights with update_weights_from_disk, as the next round would)
+    where = {"engine": cfg.engine}
     result = run_eval(
         EvalConfig(
             models=(ModelSpec(label="model", model=model),),

@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
 from selfplay.generate_config import TableSize
+from selfplay.hardware import ComputeDtype
 from selfplay.records import GameRecord, append_records, iter_game_records
 from selfplay.train.config import (
-    ComputeDtype,
     Epochs,
     Gpus,
     LearningRate,
@@ -96,7 +96,7 @@ class SFTConfig(BaseModel):
     mini_batch_size: int = Field(8, ge=1, description="Rows per optimizer update.")
     micro_batch_size: MicroBatchSize = 4
     max_length: MaxLength = 4096
-    dtype: ComputeDtype = None
+    dtype: ComputeDtype = "auto"
     gpus: Gpus = 0
     ray_address: str | None = Field(None, description="Train on this Ray cluster.")
     save_verl_checkpoint: bool = Field(False, description="Also write verl's checkpoint.")

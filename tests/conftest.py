@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# The whole suite computes in fp32 on every machine (CI's CPU may or may not have native bf16,
+# and the dtype rule would pick differently): the rule itself is tested with its probe mocked.
+# Set before any test runs, so the commands the tests start as subprocesses inherit it too.
+os.environ["SELFPLAY_NATIVE_BF16"] = "0"
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 HUMAN_GAMES = SHARED / "dialop-data" / "optimization.jsonl"

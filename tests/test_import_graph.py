@@ -17,9 +17,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "selfplay"
 # What each self-contained package may import besides its own modules.
 ALLOWED = {
     "selfplay.game": {"selfplay.errors", "selfplay.seats"},
-    "selfplay.engines": {"selfplay.errors"},
+    "selfplay.engines": {"selfplay.errors", "selfplay.hardware"},
     "selfplay.train": {
         "selfplay.errors",
+        "selfplay.hardware",
         "selfplay.training_schema",
         "selfplay.models",
         "selfplay.model_card",

@@ -61,6 +61,7 @@ OWN = {
     ("table_size", "report"): "the baselines' table size (default: the run's own)",
     ("concurrency", "eval"): "per row",
     ("device", "eval"): "only without --engine sglang",
+    ("dtype", "generate"): "the hf engine's (iterate's sets the trainer's and the engine's)",
     ("max_batch_size", "eval"): "only without --engine sglang",
     ("num_games", "sft"): "teacher games",
     ("num_games", "eval"): "scripted pair mode",

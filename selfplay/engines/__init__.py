@@ -24,6 +24,7 @@ from typing import Annotated, ClassVar, Literal, Protocol, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay.errors import EngineFailure
+from selfplay.hardware import ComputeDtype
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -119,7 +120,7 @@ class HFEngineConfig(BaseModel):
     kind: Literal["hf"] = "hf"
     model: str
     device: str | None = Field(None, description="cpu, cuda, cuda:1 (default: cuda if any).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: ComputeDtype = "auto"  # the weights' dtype too; float32/bfloat16 read as fp32/bf16
     max_batch_size: int = Field(64, ge=1, description="requests decoded together at most.")
     # torch CPU threads (process-wide). None: all cores but one, which the games' event loop
     # needs; oversubscribed OpenMP threads made decoding 10-20x slower on a 2-core machine.

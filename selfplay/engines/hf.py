@@ -47,6 +47,7 @@ from selfplay.engines import (
     HFEngineConfig,
 )
 from selfplay.engines.batching import Batcher, Reply
+from selfplay.hardware import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,9 @@ class HFEngine:
             threads = config.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-        if config.dtype == "auto":
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            dtype = getattr(torch, config.dtype)
+        # auto: bf16 where the device computes it natively (selfplay.hardware)
+        self.dtype = resolve_dtype(config.dtype, str(self.device))
+        dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         if model is None:
             try:

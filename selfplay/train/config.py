@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from selfplay.hardware import ComputeDtype, resolve_dtype
+
 LossAgg = Literal[
     "token-mean",
     "token-sum",
@@ -38,10 +40,6 @@ MicroBatchSize = Annotated[
         description="Rows per forward/backward per device.",
         json_schema_extra={"envvar": "MICRO_BATCH_SIZE"},
     ),
-]
-ComputeDtype = Annotated[
-    Literal["fp32", "bf16"] | None,
-    Field(description="Compute dtype: fp32 or bf16 (default: fp32 on CPU, bf16 on GPU)."),
 ]
 Gpus = Annotated[int, Field(ge=0, description="GPUs per node (0: CPU, in-process).")]
 MaxLength = Annotated[
@@ -85,7 +83,7 @@ class TrainerOptions(BaseModel):
         description="none: actor log-probs only; tis: truncated importance sampling against the "
         "rollout log-probs.",
     )
-    dtype: ComputeDtype = None
+    dtype: ComputeDtype = "auto"
     gpus: Gpus = 0
     ray_address: str | None = Field(
         None,
@@ -161,4 +159,4 @@ class TrainConfig(TrainerOptions):
 
     @property
     def param_dtype(self) -> str:
-        return self.dtype or ("bf16" if self.gpus > 0 else "fp32")
+        return resolve_dtype(self.dtype, self.device)

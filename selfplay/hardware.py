@@ -1,0 +1,82 @@
+"""The compute dtype a machine runs fastest: bf16 where it is native, fp32 otherwise.
+
+One rule for the trainer (``--dtype auto``) and the hf engine (``dtype="auto"``):
+- a CUDA device: bf16 when the GPU supports it (every GPU since Ampere), else fp32;
+- a CPU: bf16 only when the processor has native bf16 instructions (``avx512_bf16`` or
+  ``amx_bf16`` among its flags, as on Intel Sapphire Rapids and AMD Zen 4 or newer), fp32
+  otherwise. Measured on 2 cores: with AMX, SmolLM2-135M generates 2.1x faster in bf16 than
+  fp32 and trains 1.5x faster; on an AVX2-only CPU, bf16 matmul emulated in software runs at
+  1-18 GFLOP/s against 100-130 in fp32, and one SFT step took over 300 s against 20 s.
+
+``SELFPLAY_NATIVE_BF16=1`` or ``=0`` overrides the CPU probe (tests pin fp32 with it so that
+every machine computes the same numbers); an explicit dtype always wins over the rule.
+This module imports nothing of the package and no torch at import time (the CLI starts
+torch-free).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field
+
+Dtype = Literal["fp32", "bf16"]
+# torch's names and None (what older runs stored for the rule) read as the short names
+_ALIASES = {None: "auto", "float32": "fp32", "bfloat16": "bf16"}
+ComputeDtype = Annotated[
+    Literal["auto", "fp32", "bf16"],
+    BeforeValidator(lambda v: _ALIASES.get(v, v)),
+    Field(
+        description="Compute dtype: auto (bf16 where the device computes it natively: a GPU, "
+        "or a CPU with AVX-512 BF16 or AMX; fp32 otherwise), fp32 or bf16."
+    ),
+]
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+OVERRIDE_ENV = "SELFPLAY_NATIVE_BF16"
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags (Linux ``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 in hardware (see the module docstring); the environment
+    variable SELFPLAY_NATIVE_BF16 (1 or 0), when set, answers instead of the probe."""
+    forced = os.environ.get(OVERRIDE_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+
+
+def native_bf16(device: str) -> bool:
+    """Whether ``device`` (cpu, cuda, cuda:1, ...) computes bf16 natively."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
+
+
+def resolve_dtype(requested: str | None, device: str) -> Dtype:
+    """The dtype to compute in: ``requested`` when it names one (fp32, bf16), else (auto)
+    the machine's rule."""
+    requested = _ALIASES.get(requested, requested)
+    if requested == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    if requested not in ("fp32", "bf16"):
+        raise ValueError(f"unknown dtype {requested!r}: auto, fp32 or bf16")
+    return requested  # type: ignore[return-value]
