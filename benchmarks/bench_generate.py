@@ -28,11 +28,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from selfplay.engines.synthetic import SyntheticEngine
-from selfplay.generate_config import GenerateConfig
+from selfplay.generate.config import GenerateConfig
+from selfplay.generate.runner import generate_games
 from selfplay.models import build_tiny_model
 from selfplay.players.llm import load_chat_format
 from selfplay.records import SamplingParams
-from selfplay.runner import generate_games
 
 MESSAGE = "[message] I know Ava Li on BLEU is 320 and Sofia Patel on GloVe is 122. And you?"
 
@@ -105,7 +105,7 @@ def part_b(model: Path, tmp: Path, games: int = 64) -> list[tuple]:
     unbatched is mostly the first prompt of each scenario's games.
     """
     from selfplay.engines import HFEngineConfig
-    from selfplay.runner import run_generate
+    from selfplay.generate.runner import run_generate
 
     rows = []
     for n, max_new in ((3, 128), (8, 32)):

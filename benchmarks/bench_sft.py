@@ -64,9 +64,9 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
+    from selfplay.iterate.sft import SFTConfig, build_rows
     from selfplay.models import resolve_model
     from selfplay.players.llm import load_chat_format
-    from selfplay.sft import SFTConfig, build_rows
     from selfplay.train.config import TrainConfig
     from selfplay.train.trainer import load_rows, train_sft
 

@@ -30,11 +30,11 @@ from selfplay.engines import (
     engine_config_class,
 )
 from selfplay.errors import UserError
-from selfplay.evaluate import EvalConfig
-from selfplay.generate_config import GenerateConfig
-from selfplay.iterate import IterateConfig
+from selfplay.evaluate.config import EvalConfig
+from selfplay.generate.config import GenerateConfig
+from selfplay.iterate.config import IterateConfig
+from selfplay.iterate.sft import SFTConfig
 from selfplay.options import Fields, build, options
-from selfplay.sft import SFTConfig
 from selfplay.tracking import flat
 from selfplay.train.config import TrainConfig, TrainerOptions
 
@@ -284,7 +284,8 @@ def eval_cmd(
     the exit status is 1 only when no model could be evaluated. Without them: the scripted pair
     of --players (default cooperative,cooperative) on --num-games scenarios.
     """
-    from selfplay.evaluate import ModelSpec, run_models
+    from selfplay.evaluate.config import ModelSpec
+    from selfplay.evaluate.run import run_models
 
     names = [m.strip() for item in models for m in item.split(",") if m.strip()]
     if not names and run is None:
@@ -322,8 +323,9 @@ def eval_cmd(
 
 
 def _eval_models(cfg) -> None:
-    from selfplay.eval_report import row_cells, table_rows, write_eval_report
-    from selfplay.evaluate import EvalError, run_eval, save_result
+    from selfplay.evaluate import run_eval
+    from selfplay.evaluate.config import EvalError, save_result
+    from selfplay.evaluate.report import row_cells, table_rows, write_eval_report
 
     out = cfg.out
     failed: EvalError | None = None
@@ -378,8 +380,8 @@ def _eval_models(cfg) -> None:
 def _eval_scripted_pair(
     players: str, num_games: int, seed: int, table_size: int, max_actions: int, out: Path | None
 ) -> None:
-    from selfplay.evaluate import evaluate_scripted
-    from selfplay.game.matching_scripted import SCRIPTED_NAMES
+    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.game.matching.scripted import SCRIPTED_NAMES
 
     names = tuple(p.strip() for p in players.split(","))
     if len(names) != 2 or any(n not in SCRIPTED_NAMES for n in names):
@@ -483,8 +485,8 @@ def sft_cmd(
     **opts,
 ) -> None:
     """Behaviour cloning: fine-tune on token-exact teacher rows with verl's SFT loss."""
+    from selfplay.iterate.sft import sft
     from selfplay.models import resolve_model
-    from selfplay.sft import sft
 
     cfg = build(SFT, opts, model=resolve_model(model))
 
@@ -518,8 +520,8 @@ def generate(
 
     from rich.console import Console as _Console
 
+    from selfplay.generate.runner import RichProgress, run_generate, summary_table
     from selfplay.models import resolve_model
-    from selfplay.runner import RichProgress, run_generate, summary_table
 
     out = out or default_data_dir()
     _check_engine(engine, engine_url)
@@ -653,7 +655,7 @@ def iterate_cmd(
         )
     console.print(f"{line}; manifest {run.path}")
     if report:
-        from selfplay.report import write_report
+        from selfplay.iterate.report import write_report
 
         console.print(f"report: {write_report(cfg.run_dir)}")
 
@@ -667,7 +669,7 @@ def report_cmd(
     ),
 ) -> None:
     """Write PNG plots and REPORT.md for a run from its metrics.jsonl and manifest."""
-    from selfplay.report import write_report
+    from selfplay.iterate.report import write_report
 
     run_dir = Path(run) if Path(run).is_dir() else data_root / run
     console.print(f"report: {write_report(run_dir, n=table_size)}")

@@ -6,7 +6,7 @@ see the traceback (``selfplay -v``). Subclasses keep their older bases (``ValueE
 ``RuntimeError``) so existing ``except`` clauses still catch them.
 
 ``EngineFailure`` lives here too, so engines, players and the game loop share it without
-importing one another (``selfplay.engines`` and ``selfplay.play`` re-export it).
+importing one another (``selfplay.engines`` and ``selfplay.generate.play`` re-export it).
 """
 
 

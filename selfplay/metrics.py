@@ -15,8 +15,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from selfplay.game import Outcome, get_game
-from selfplay.game.questions import classify_question as classify_question  # re-export
-from selfplay.game.questions import is_question as is_question  # re-export: older imports
 from selfplay.records import GameRecord
 
 

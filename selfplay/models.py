@@ -70,8 +70,8 @@ def build_tiny_model(out: str | Path, *, seed: int = 0, vocab_size: int = 1024) 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from selfplay.game.matching import PAPERS, REVIEWERS
-    from selfplay.game.prompts import INSTRUCTIONS
+    from selfplay.game.matching.prompts import INSTRUCTIONS
+    from selfplay.game.matching.rules import PAPERS, REVIEWERS
 
     out = Path(out)
     if (out / "config.json").exists():

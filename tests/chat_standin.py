@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from selfplay.game.protocol import PROPOSAL_CHOICES
+from selfplay.game.matching.turns import PROPOSAL_CHOICES
 
 
 def shy_reply(body: dict) -> str:

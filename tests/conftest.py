@@ -44,9 +44,9 @@ def _prime(base: Path, out: Path, n: int = 3, steps: int = 100, seed: int = 0) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from selfplay.game import generate_scenario
-    from selfplay.game.matching import format_proposal
-    from selfplay.game.prompts import intro
-    from selfplay.game.protocol import PROPOSAL_CHOICES
+    from selfplay.game.matching.prompts import intro
+    from selfplay.game.matching.rules import format_proposal
+    from selfplay.game.matching.turns import PROPOSAL_CHOICES
 
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from selfplay import compat
+from selfplay.train import compat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def test_installed_verl_is_the_pinned_version():
     assert compat.PINNED_VERL_VERSION == "0.9.1"
     installed = compat.installed_verl_version()
     assert installed == compat.PINNED_VERL_VERSION, (
-        f"verl {installed} is installed but selfplay.compat is pinned to "
+        f"verl {installed} is installed but selfplay.train.compat is pinned to "
         f"{compat.PINNED_VERL_VERSION}: port compat.py and selfplay/train/ before moving the pin"
     )
     assert compat.check_verl_version() == compat.PINNED_VERL_VERSION
@@ -52,7 +52,7 @@ def test_version_guard_refuses_another_verl(monkeypatch):
 def test_cpu_platform_installs_in_a_fresh_process():
     # a fresh interpreter: install before verl's engine is imported, as the trainer does
     code = """
-from selfplay import compat
+from selfplay.train import compat
 compat.install_cpu_platform()
 compat.install_cpu_platform()  # idempotent
 from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
@@ -87,5 +87,5 @@ print("ok")
 
 def test_worker_env_names_this_module():
     env = compat.cpu_worker_env()
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "selfplay.compat"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "selfplay.train.compat"
     assert env["VERL_PLATFORM"] == "cpu"

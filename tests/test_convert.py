@@ -34,7 +34,7 @@ from selfplay.convert.rows import (
     rows_of_record,
 )
 from selfplay.game import generate_scenario
-from selfplay.game.protocol import Outcome
+from selfplay.game.api import Outcome
 from selfplay.records import (
     TRAINING_SCHEMA,
     ActionRecord,

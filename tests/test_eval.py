@@ -14,17 +14,10 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from selfplay.cli import app
-from selfplay.evaluate import (
-    EvalConfig,
-    EvalError,
-    EvalResult,
-    ModelSpec,
-    eval_scenario_seed,
-    human_reference,
-    load_result,
-    run_models,
-)
-from selfplay.runner import scenario_seed
+from selfplay.evaluate.config import EvalConfig, EvalError, EvalResult, ModelSpec, load_result
+from selfplay.evaluate.human import human_reference
+from selfplay.evaluate.run import run_models
+from selfplay.seeds import eval_scenario_seed, scenario_seed
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -138,7 +131,7 @@ def test_human_reference_from_the_data(human_games, monkeypatch):
 
 
 def test_human_reference_without_data_is_the_stored_constant(tmp_path, monkeypatch):
-    from selfplay.report import HUMAN_REFERENCE
+    from selfplay.evaluate.human import HUMAN_REFERENCE
 
     monkeypatch.setenv("SELFPLAY_HUMAN_DATA", str(tmp_path / "missing.jsonl"))
     row = human_reference()
@@ -449,7 +442,7 @@ def test_eval_through_an_attached_sglang_server(sglang_url, tiny_model, other_mo
     import httpx
 
     from selfplay.engines import SGLangEngineConfig
-    from selfplay.evaluate import run_eval
+    from selfplay.evaluate.run import run_eval
     from selfplay.records import SamplingParams
 
     models = (

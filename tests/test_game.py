@@ -23,12 +23,8 @@ from selfplay.game import (
     scenario_from_arrays,
     score_assignment,
 )
-from selfplay.game.matching import (
-    _batched_max_assignment,
-    format_proposal,
-    mentions,
-)
-from selfplay.game.protocol import ERR_EMPTY, ERR_NOTHING_PENDING, ERR_PENDING
+from selfplay.game.matching.rules import _batched_max_assignment, format_proposal, mentions
+from selfplay.game.matching.turns import ERR_EMPTY, ERR_NOTHING_PENDING, ERR_PENDING
 
 # --- conformance vectors (shared/notes/dialop-matching.md) -----------------------------------
 

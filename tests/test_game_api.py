@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import selfplay
-from selfplay import errors, play
+from selfplay import errors
 from selfplay.engines import EngineFailure
 from selfplay.game import (
     GAMES,
@@ -28,7 +28,8 @@ from selfplay.game import (
     get_game,
 )
 from selfplay.game.conformance import ConformanceError, check_game
-from selfplay.game.matching_game import MatchingGame
+from selfplay.game.matching import MatchingGame
+from selfplay.generate import play
 
 PACKAGE = Path(selfplay.__file__).parent
 
@@ -219,7 +220,7 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", ["engines", "train"])
 def test_engines_and_train_import_nothing_of_the_game(package):
-    forbidden = ("selfplay.game", "selfplay.play", "selfplay.players")
+    forbidden = ("selfplay.game", "selfplay.generate", "selfplay.players")
     for path in sorted((PACKAGE / package).glob("*.py")):
         bad = sorted(m for m in _imports(path) if m.startswith(forbidden))
         assert not bad, f"{path.name} imports {bad}"
@@ -229,7 +230,8 @@ def test_importing_the_engines_and_the_trainer_loads_no_game_module():
     code = (
         "import sys, selfplay.engines.openai, selfplay.engines.sglang, selfplay.train.batch\n"
         "import selfplay.train.trainer\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('selfplay.game', 'selfplay.play'))))"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m.startswith(('selfplay.game', 'selfplay.generate'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -14,13 +14,14 @@ import torch
 from typer.testing import CliRunner
 
 from selfplay.engines import EngineFailure, Generation, GenerationRequest, SGLangEngineConfig
-from selfplay.game.matching import format_proposal
-from selfplay.game.protocol import PROPOSAL_CHOICES, Outcome
-from selfplay.generate_config import GenerateConfig
+from selfplay.game.api import Outcome
+from selfplay.game.matching.rules import format_proposal
+from selfplay.game.matching.turns import PROPOSAL_CHOICES
+from selfplay.generate.config import GenerateConfig
+from selfplay.generate.runner import OutputMismatch, generate_games, plan_games, run_generate
 from selfplay.metrics import summarize
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
-from selfplay.runner import OutputMismatch, generate_games, plan_games, run_generate
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -292,7 +293,7 @@ def test_cli_generate_smoke_and_env_vars(tiny_model, tmp_path, monkeypatch):
         seen.append(cfg)
         raise RuntimeError("only the engine config is looked at")
 
-    monkeypatch.setattr("selfplay.runner.open_engine", no_engine)
+    monkeypatch.setattr("selfplay.generate.runner.open_engine", no_engine)
     CliRunner().invoke(app, [*args, "--num-games", "4", "--prefix-cache-tokens", "0"])
     assert seen and seen[0].prefix_cache_tokens == 0  # the flag reaches the engine config
     bad = CliRunner().invoke(app, ["generate", "--engine-url", "http://x:1"])

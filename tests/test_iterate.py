@@ -186,7 +186,7 @@ def test_training_runs_in_a_fresh_process_with_all_threads(reference_run):
     and each stage's memory ends with its process (the loop's own stays flat)."""
     import torch
 
-    from selfplay.iterate import isolated
+    from selfplay.iterate.child import isolated
 
     fresh = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from selfplay.iterate import _LogProgress
-from selfplay.runner import RunStats
+from selfplay.generate.runner import RunStats
+from selfplay.iterate.child import _LogProgress
 
 
 def test_generate_progress_is_a_line_per_tenth_and_the_last(caplog):

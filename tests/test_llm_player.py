@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from selfplay.engines import Generation, GenerationRequest
-from selfplay.game.matching import generate_scenario
-from selfplay.play import play_game
+from selfplay.game.matching.rules import generate_scenario
+from selfplay.generate.play import play_game
 from selfplay.players.llm import ChatFormat, ContextFull, LLMPlayer, TemplateError, load_chat_format
 from selfplay.records import SamplingParams
 

@@ -17,8 +17,8 @@ from selfplay import cli
 from selfplay.cli import app
 from selfplay.convert import ConvertOptions
 from selfplay.engines import SGLangEngineConfig
-from selfplay.generate_config import GenerateConfig
-from selfplay.iterate import IterateConfig, TrainOptions
+from selfplay.generate.config import GenerateConfig
+from selfplay.iterate.config import IterateConfig, TrainOptions
 from selfplay.options import Fields, build, options
 from selfplay.records import SamplingParams
 
@@ -157,7 +157,7 @@ def _capture(monkeypatch) -> dict:
 
         return run
 
-    monkeypatch.setattr("selfplay.runner.run_generate", catch("generate"))
+    monkeypatch.setattr("selfplay.generate.runner.run_generate", catch("generate"))
     monkeypatch.setattr("selfplay.iterate.iterate", catch("iterate"))
     monkeypatch.setattr("selfplay.convert.convert", catch("convert"))
     monkeypatch.setattr(cli, "_tracked", lambda logger, cfg, *a: catch("tracked")(cfg))

@@ -19,22 +19,25 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.convert import ConvertConfig, convert
 from selfplay.engines import Generation, GenerationRequest, HFEngineConfig
-from selfplay.game.matching import format_proposal
-from selfplay.game.protocol import PROPOSAL_CHOICES, Outcome
-from selfplay.generate_config import GenerateConfig
-from selfplay.iterate import IterateConfig, IterateError, Run, iterate
+from selfplay.game.api import Outcome
+from selfplay.game.matching.rules import format_proposal
+from selfplay.game.matching.turns import PROPOSAL_CHOICES
+from selfplay.generate.config import GenerateConfig
+from selfplay.generate.runner import OutputMismatch, generate_games, partner_config
+from selfplay.iterate.config import IterateConfig, IterateError
+from selfplay.iterate.loop import iterate
+from selfplay.iterate.resume import Run
 from selfplay.metrics import summarize
-from selfplay.partners import (
+from selfplay.players.api import SHY_PERSONA, PartnerCallCap, open_partner_client
+from selfplay.players.llm import ChatFormat, load_chat_format
+from selfplay.players.partners import (
     OpenAIPartner,
     ScriptedPartner,
     SelfPlay,
     canonical_partner,
     parse_partner,
 )
-from selfplay.players.api import SHY_PERSONA, PartnerCallCap, open_partner_client
-from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
-from selfplay.runner import OutputMismatch, generate_games, partner_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_standin import ChatStandIn

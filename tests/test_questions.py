@@ -7,7 +7,8 @@ import math
 import pytest
 
 from selfplay.game import generate_scenario
-from selfplay.metrics import classify_question, question_counts, summarize
+from selfplay.game.matching.questions import classify_question
+from selfplay.metrics import question_counts, summarize
 from selfplay.records import ActionRecord, GameRecord, SeatConfig
 
 LABELLED = [

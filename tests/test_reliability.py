@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from selfplay.cli import app
-from selfplay.locks import LOCK_NAME, FolderBusy, folder_lock
+from selfplay.fileio import LOCK_NAME, FolderBusy, folder_lock
 from selfplay.records import iter_game_records
 
 GEN = ["--table-size", "3", "--max-new-tokens", "24", "--max-actions", "6"]
@@ -46,7 +46,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, tiny_model):
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
     out = tmp_path / "run"
     code = (
-        "import sys, time; from pathlib import Path; from selfplay.locks import folder_lock\n"
+        "import sys, time; from pathlib import Path; from selfplay.fileio import folder_lock\n"
         f"with folder_lock(Path({str(out)!r}), 'holder'):\n"
         "    print('held', flush=True); time.sleep(60)\n"
     )
@@ -77,7 +77,9 @@ def test_a_typo_then_the_corrected_command(tmp_path, tiny_model):
 
 def test_iterate_takes_corrected_options_while_nothing_was_produced(tmp_path, tiny_model):
     from selfplay.engines import HFEngineConfig
-    from selfplay.iterate import IterateConfig, RoundRecord, Run
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.resume import Run
+    from selfplay.manifest import RoundRecord
 
     def cfg(model: str) -> IterateConfig:
         return IterateConfig(
@@ -124,8 +126,8 @@ def test_train_without_a_model_or_games_names_the_fix(tmp_path, monkeypatch):
 
 
 def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
-    from selfplay import report
-    from selfplay.evaluate import play_scripted
+    from selfplay.evaluate.scripted import play_scripted
+    from selfplay.iterate import report
     from selfplay.manifest import Manifest
     from selfplay.metrics import summarize
 
@@ -192,7 +194,9 @@ def test_a_refused_engine_url_fails_at_once(tmp_path, tiny_model):
 
 def test_a_run_resumes_by_absolute_path_and_from_another_folder(tmp_path, monkeypatch):
     from selfplay.engines import HFEngineConfig
-    from selfplay.iterate import IterateConfig, Run, StageRecord
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.resume import Run
+    from selfplay.manifest import StageRecord
 
     def cfg(root) -> IterateConfig:
         return IterateConfig(

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from selfplay.cli import app
-from selfplay.evaluate import play_scripted
+from selfplay.evaluate.scripted import play_scripted
+from selfplay.iterate.report import ReportError, write_report
 from selfplay.metrics import summarize
 from selfplay.records import append_records
-from selfplay.report import ReportError, write_report
 
 
 def test_report_from_a_run_directory(tmp_path):
@@ -44,8 +44,8 @@ def test_report_without_metrics_is_a_clear_error(tmp_path):
 def test_metrics_lines_are_read_as_round_metrics(tmp_path):
     import math
 
+    from selfplay.iterate.report import ReportError, read_metrics
     from selfplay.metrics import RoundMetrics
-    from selfplay.report import ReportError, read_metrics
 
     (tmp_path / "metrics.jsonl").write_bytes(
         orjson.dumps({"round": 1, "games": 2, "reward_mean": None}) + b"\n"

@@ -9,12 +9,10 @@ import math
 import pytest
 
 from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
-from selfplay.evaluate import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
-from selfplay.game.matching_scripted import make_scripted
-from selfplay.generate_config import GenerateConfig
-from selfplay.metrics import summarize
-from selfplay.partners import OpenAIPartner, ScriptedPartner
-from selfplay.rollout import (
+from selfplay.evaluate.config import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
+from selfplay.game.matching.scripted import make_scripted
+from selfplay.generate.config import GenerateConfig
+from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
     Seating,
@@ -25,25 +23,27 @@ from selfplay.rollout import (
     seating,
     training_plan,
 )
-from selfplay.runner import plan_games
+from selfplay.generate.runner import plan_games
+from selfplay.metrics import summarize
+from selfplay.players.partners import OpenAIPartner, ScriptedPartner
 
 # --- seed spaces and plans: every existing game id and seed stays what it was ------------------
 
 
 def test_seed_formulas_and_plans_are_pinned():
     """Values made by the formulas of runner.py / evaluate.py before selfplay.seeds existed."""
-    from selfplay import evaluate, runner, seeds
+    from selfplay import seeds
+    from selfplay.generate import runner
 
     assert runner.scenario_seed(0, 0, 0) == 5918759735706020762
     assert runner.scenario_seed(3, 2, 5) == 17516875071935976220
     assert runner.game_seed(0, 0, 0, 0) == 8047175967907551869
     assert runner.game_seed(3, 2, 5, 1) == 3585571055588808721
-    assert evaluate.eval_scenario_seed(7, 0) == 16365312898935196221
-    assert evaluate.eval_scenario_seed(7, 4) == 9116695980741364993
-    assert evaluate.eval_game_seed(7, 0, 0) == 3204394615972970535
-    assert evaluate.eval_game_seed(7, 4, 1) == 4197812042613604998
+    assert seeds.eval_scenario_seed(7, 0) == 16365312898935196221
+    assert seeds.eval_scenario_seed(7, 4) == 9116695980741364993
+    assert seeds.eval_game_seed(7, 0, 0) == 3204394615972970535
+    assert seeds.eval_game_seed(7, 4, 1) == 4197812042613604998
     assert runner.scenario_seed is seeds.scenario_seed
-    assert evaluate.eval_scenario_seed is seeds.eval_scenario_seed
     cfg = GenerateConfig(out="x", num_games=3, model="m", games_per_scenario=2, seed=3, round=2)
     assert [(s.game_id, s.seed) for s in plan_games(cfg)] == [
         ("r2-s4957054257163939580-g0", 2622793108034077445),
@@ -76,7 +76,7 @@ def _named(tag: str):
 
 
 def test_seating_puts_the_policy_where_the_partner_spec_says():
-    from selfplay.game.matching import generate_scenario
+    from selfplay.game.matching.rules import generate_scenario
 
     scenario = generate_scenario(1, 3)
     me = _named("me")
@@ -254,7 +254,7 @@ def test_scenarios_are_shared_kept_or_forgotten():
 
 
 def test_every_summary_key_is_a_row_field_or_left_out_on_purpose():
-    from selfplay.evaluate import play_scripted
+    from selfplay.evaluate.scripted import play_scripted
 
     summary = summarize(play_scripted(("cooperative", "shy"), num_games=3, seed=1, n=3))
     keys = set(type(summary).model_fields) - {"partner"}  # partner: generate's API usage

@@ -9,17 +9,17 @@ import pytest
 from typer.testing import CliRunner
 
 from selfplay.cli import app
-from selfplay.evaluate import evaluate_scripted, play_scripted
+from selfplay.evaluate.scripted import evaluate_scripted, play_scripted
 from selfplay.game import generate_scenario, parse_proposal
-from selfplay.game.matching import PAPERS_SHORT, REVIEWERS, mentions
-from selfplay.game.matching_scripted import (
+from selfplay.game.matching.prompts import intro
+from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS, mentions
+from selfplay.game.matching.scripted import (
     Shy,
     format_values,
     make_scripted,
     parse_values,
     partner_events,
 )
-from selfplay.game.prompts import intro
 
 SCENARIO = generate_scenario(42)
 
@@ -248,7 +248,7 @@ def test_inquisitive_questions_name_one_cell_it_does_not_know_and_it_answers_que
 def test_cooperative_answers_a_proposal_before_sharing_its_values():
     """Facing a proposal on its first turn (no-talk proposes at once), cooperative must accept or
     reject: a message there is invalid, and three of them used to end every such game."""
-    from selfplay.evaluate import evaluate_scripted
+    from selfplay.evaluate.scripted import evaluate_scripted
 
     s = evaluate_scripted(("no-talk", "cooperative"), num_games=30, seed=7, n=3)
     assert s["invalid_action_rate"] == 0.0 and s["agreement_rate"] > 0.8

@@ -11,10 +11,8 @@ from toy_game import SUM, SumScenario
 
 from selfplay import game as game_registry
 from selfplay.game.conformance import check_game
-from selfplay.generate_config import GenerateConfig
-from selfplay.metrics import summarize
-from selfplay.records import GameRecord, ReadReport, append_records, iter_game_records
-from selfplay.rollout import (
+from selfplay.generate.config import GenerateConfig
+from selfplay.generate.rollout import (
     Scenarios,
     Seating,
     play_plan,
@@ -22,6 +20,8 @@ from selfplay.rollout import (
     seating,
     training_plan,
 )
+from selfplay.metrics import summarize
+from selfplay.records import GameRecord, ReadReport, append_records, iter_game_records
 
 
 @pytest.fixture
@@ -102,8 +102,9 @@ def test_eval_plays_a_model_and_the_games_own_baselines(registered, tiny_model):
     """selfplay eval on the second game: the model row (the tiny random model breaks the rules,
     as a game outcome), the game's scripted players as default baselines, no (matching) human
     row; iterate refuses the matching-only warm start for it."""
-    from selfplay.evaluate import EvalConfig, ModelSpec, run_eval
-    from selfplay.iterate import IterateConfig
+    from selfplay.evaluate.config import EvalConfig, ModelSpec
+    from selfplay.evaluate.run import run_eval
+    from selfplay.iterate.config import IterateConfig
     from selfplay.records import SamplingParams
 
     config = EvalConfig(

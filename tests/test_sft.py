@@ -10,10 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from selfplay.cli import app
-from selfplay.evaluate import eval_scenario_seed
+from selfplay.generate.teacher import teacher_seed
+from selfplay.iterate.sft import SFTConfig, build_rows
 from selfplay.players.llm import load_chat_format
 from selfplay.records import iter_game_records
-from selfplay.sft import SFTConfig, build_rows, teacher_seed
+from selfplay.seeds import eval_scenario_seed
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,8 @@ def _assert_rows_are_the_games_actions(table, games_path, chat) -> None:
 def test_human_games_become_rows_of_both_seats_under_the_rendering_policy(
     human_games, tiny_model, tmp_path
 ):
-    from selfplay.human import HumanReplay, human_records
+    from selfplay.game.matching.human import HumanReplay
+    from selfplay.generate.teacher import human_records
 
     src = tmp_path / "human.jsonl"
     src.write_text("".join(json.dumps(g) + "\n" for g in human_games[:4]))

@@ -11,7 +11,8 @@ from pydantic import AfterValidator, ValidationInfo
 
 from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
-from selfplay.game.matching import (
+from selfplay.game.matching import MATCHING
+from selfplay.game.matching.rules import (
     PAPERS,
     PAPERS_SHORT,
     REVIEWERS,
@@ -23,8 +24,7 @@ from selfplay.game.matching import (
     scenario_from_arrays,
     score_assignment,
 )
-from selfplay.game.matching_game import MATCHING
-from selfplay.game.protocol import Action, Game, StepResult
+from selfplay.game.matching.turns import Action, Game, StepResult
 
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
 GAMES: dict[str, DialogueGame] = {MATCHING.name: MATCHING}

@@ -35,7 +35,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay.engines import ChatEngine, EngineFailure
-from selfplay.partners import (
+from selfplay.players.partners import (
     DEFAULT_BASE_URL,
     DEFAULT_KEY_ENV,
     OpenAIPartner,

@@ -3,8 +3,8 @@
 Both launchers run the same verl class, ``ActorRolloutRefWorker`` (role "actor", and role "ref"
 when a KL loss is asked for), built from the same OmegaConf config (``worker_config``):
 
-- ``LocalWorkers``: in this process, world size 1 -- the CPU (gloo, through ``selfplay.compat``)
-  or one GPU;
+- ``LocalWorkers``: in this process, world size 1 -- the CPU (gloo, through
+  ``selfplay.train.compat``) or one GPU;
 - ``RayWorkers``: a Ray worker group with FSDP2 over the given GPUs, on a local Ray or on an
   existing cluster (``ray_address``); the reference model is colocated with the actor.
 
@@ -104,7 +104,7 @@ def worker_config(cfg: TrainConfig, total_steps: int):
     a.ref.fsdp_config.use_torch_compile = False
     OmegaConf.resolve(root)
     if cfg.device == "cpu":
-        from selfplay import compat
+        from selfplay.train import compat
 
         compat.adapt_worker_config_for_cpu(root.actor_rollout_ref)
     return root.actor_rollout_ref
@@ -305,7 +305,7 @@ class LocalWorkers(_Calls):
     """Actor (and reference) workers in this process, world size 1."""
 
     def __init__(self, cfg: TrainConfig, total_steps: int):
-        from selfplay import compat
+        from selfplay.train import compat
 
         compat.check_verl_version()
         if cfg.device == "cpu":
@@ -346,7 +346,7 @@ class RayWorkers(_Calls):
     def __init__(self, cfg: TrainConfig, total_steps: int):
         import ray
 
-        from selfplay import compat
+        from selfplay.train import compat
 
         compat.check_verl_version()
         cpu = cfg.device == "cpu"

@@ -16,8 +16,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from selfplay.evaluate import CrossPlay, EvalResult, EvalRow
-from selfplay.report import save_figure
+from selfplay.evaluate.config import CrossPlay, EvalResult, EvalRow
+from selfplay.iterate.report import save_figure
 
 COLORS = {"model": "tab:blue", "baseline": "tab:gray", "human": "tab:green"}
 

@@ -27,7 +27,8 @@ from typing import Literal
 
 import numpy as np
 
-from selfplay.game.matching import (
+from selfplay.game.matching.questions import is_question
+from selfplay.game.matching.rules import (
     PAPERS_SHORT,
     REVIEWERS,
     Pairs,
@@ -38,7 +39,6 @@ from selfplay.game.matching import (
     mentions,
     parse_proposal,
 )
-from selfplay.game.questions import is_question
 from selfplay.seats import SeatConfig, SeatTokens
 
 ScriptedName = Literal["cooperative", "no-talk", "shy", "random", "inquisitive"]

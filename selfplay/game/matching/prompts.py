@@ -5,7 +5,7 @@ Players turn these strings into chat turns; the game itself only produces plain 
 
 from __future__ import annotations
 
-from selfplay.game.matching import Scenario
+from selfplay.game.matching.rules import Scenario
 
 INSTRUCTIONS = """\
 You and your partner are area chairs for a conference. Together you must assign {n} reviewers to \

@@ -18,7 +18,9 @@ import orjson
 from pydantic import ValidationError
 
 from selfplay.errors import UserError
-from selfplay.evaluate import BASELINES, HUMAN_REFERENCE, evaluate_scripted
+from selfplay.evaluate.config import BASELINES
+from selfplay.evaluate.human import HUMAN_REFERENCE
+from selfplay.evaluate.scripted import evaluate_scripted
 from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from selfplay.game.api import GameOverError, Outcome
-from selfplay.game.matching import Pairs, ProposalError, Scenario, parse_proposal
+from selfplay.game.matching.rules import Pairs, ProposalError, Scenario, parse_proposal
 
 ERR_EMPTY = "Cannot send empty message."
 ERR_PENDING = "A proposal was made. You must first accept or reject it."

@@ -10,7 +10,7 @@ with verl's SFT loss on the same workers as ``selfplay train`` (``train.trainer.
 - ``games=PATH``: a games.jsonl of our own games, keeping the trained seats of games whose reward
   is at least ``min_reward`` (filtered behaviour cloning);
 - ``human_data=PATH``: the DialOp human games (``optimization.jsonl``, 8x8), both seats replayed
-  through our rules and chat format under the rendering policy of ``selfplay.human``.
+  through our rules and chat format under the rendering policy of ``selfplay.game.matching.human``.
 
 Layout: ``OUT/`` is the new Hugging Face model (as ``selfplay train`` writes it, with
 metrics.json); ``OUT/sft_data/`` holds the teacher games (``games.jsonl``) and the rows
@@ -20,10 +20,9 @@ metrics.json); ``OUT/sft_data/`` holds the teacher games (``games.jsonl``) and t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,9 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
-from selfplay.generate_config import TableSize
+from selfplay.generate.config import TableSize
+from selfplay.generate.teacher import filtered_games, play_teacher_games, scripted_name
 from selfplay.hardware import ComputeDtype
-from selfplay.records import GameRecord, append_records, iter_game_records
+from selfplay.records import GameRecord, append_records
 from selfplay.train.config import (
     Epochs,
     Gpus,
@@ -47,7 +47,7 @@ from selfplay.train.config import (
 
 log = logging.getLogger(__name__)
 
-SFT_SPACE = 0x5E1F_5F7A  # first word of the teacher games' scenario seeds (even, like training)
+
 DATA_DIR = "sft_data"
 
 
@@ -85,7 +85,7 @@ class SFTConfig(BaseModel):
     human_data: Path | None = Field(
         None,
         description="Clone both seats of the DialOp human games (optimization.jsonl, 8x8), "
-        "replayed through our rules (rendering policy: selfplay.human).",
+        "replayed through our rules (rendering policy: selfplay.game.matching.human).",
     )
     seed: int = Field(
         0, ge=0, description="Seed: the teacher games' scenarios and the row order derive from it."
@@ -115,20 +115,6 @@ class SFTConfig(BaseModel):
         return self.out / DATA_DIR
 
 
-def scripted_name(spec: str) -> str:
-    """``scripted:NAME`` (or a bare NAME) -> NAME; ValueError naming the accepted forms."""
-    from selfplay.game.matching_scripted import SCRIPTED_NAMES
-
-    kind, sep, name = spec.partition(":")
-    if not sep:
-        kind, name = "scripted", spec
-    if kind != "scripted" or name not in SCRIPTED_NAMES:
-        raise ValueError(
-            f"teacher {spec!r} must be scripted:NAME with NAME one of {', '.join(SCRIPTED_NAMES)}"
-        )
-    return name
-
-
 @dataclass
 class SFTResult:
     model_dir: Path
@@ -136,67 +122,6 @@ class SFTResult:
     rows: int
     sources: dict[str, int]  # rows per source
     steps: list  # train.trainer.SFTStepMetrics
-
-
-# ---------------------------------------------------------------------------------------------
-# Sources
-
-
-def teacher_seed(seed: int, index: int) -> int:
-    """Scenario seed of teacher game ``index``: even, like training seeds, so never a held-out
-    evaluation scenario (those are odd), and in its own space apart from generate's."""
-    from selfplay.runner import scenario_seed
-
-    return scenario_seed(seed ^ SFT_SPACE, 0, index)
-
-
-def play_teacher_games(config: SFTConfig, chat) -> list[GameRecord]:
-    """The teacher's games, its cloned seats recorded token-exactly under ``chat``."""
-    from selfplay.game.matching import generate_scenario
-    from selfplay.game.matching_scripted import make_scripted
-    from selfplay.play import play_game
-    from selfplay.players.teacher import TeacherPlayer
-    from selfplay.seeds import derive_seed
-
-    assert config.teacher is not None
-    teacher = scripted_name(config.teacher)
-    names = (teacher, scripted_name(config.partner) if config.partner else teacher)
-    cloned = {"both": (0, 1), "1": (0,), "2": (1,)}[config.clone]
-
-    async def run() -> list[GameRecord]:
-        records = []
-        for i in range(config.num_games):
-            sseed = teacher_seed(config.seed, i)
-            scenario = generate_scenario(sseed, config.table_size)
-            gseed = derive_seed(SFT_SPACE, config.seed, i)
-            seats = []
-            for seat in (0, 1):
-                name = names[0] if seat in cloned else names[1]
-                player = make_scripted(name, scenario, seat, seed=derive_seed(gseed, seat))
-                seats.append(TeacherPlayer(player, chat) if seat in cloned else player)
-            records.append(
-                await play_game(
-                    scenario,
-                    (seats[0], seats[1]),
-                    game_id=f"sft-s{sseed}-g0",
-                    seed=gseed,
-                    max_actions=config.max_actions,
-                )
-            )
-        return records
-
-    return asyncio.run(run())
-
-
-def filtered_games(path: Path, min_reward: float) -> Iterator[GameRecord]:
-    """The games of ``path`` whose reward is at least ``min_reward``."""
-    for record in iter_game_records(path):
-        if record.reward >= min_reward:
-            yield record
-
-
-# ---------------------------------------------------------------------------------------------
-# The stage
 
 
 def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
@@ -232,7 +157,8 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         kept = filtered_games(config.games, config.min_reward)
         add(f"games {config.games} (reward >= {config.min_reward})", kept)
     if config.human_data is not None:
-        from selfplay.human import HumanReplay, human_records
+        from selfplay.game.matching.human import HumanReplay
+        from selfplay.generate.teacher import human_records
 
         stats = HumanReplay()
         records = list(human_records(config.human_data, chat, stats))

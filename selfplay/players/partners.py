@@ -33,7 +33,7 @@ class SelfPlay:
 
 @dataclass(frozen=True)
 class ScriptedPartner:
-    """A scripted policy from ``selfplay.game.matching_scripted`` plays the other seat."""
+    """A scripted policy from ``selfplay.game.matching.scripted`` plays the other seat."""
 
     name: str
 

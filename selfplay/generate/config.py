@@ -1,10 +1,10 @@
 """Configuration of the generate stage (``selfplay generate``), validated with fixable messages.
 
 The engine's own config (``selfplay.engines.EngineConfig``) is separate: the runner never sees it.
-The partner options (``selfplay.partners``) are stored canonicalised; an API partner's key is
-never a field, only the name of the environment variable that holds it. ``PlayOptions`` (how a
-game is played) and ``GenerateOptions`` (what a run plays) are the option groups that iterate's
-config is composed of too; each field's ``description`` is its command-line help.
+The partner options (``selfplay.players.partners``) are stored canonicalised; an API partner's
+key is never a field, only the name of the environment variable that holds it. ``PlayOptions``
+(how a game is played) and ``GenerateOptions`` (what a run plays) are the option groups that
+iterate's config is composed of too; each field's ``description`` is its command-line help.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from selfplay import partners
 from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of
-from selfplay.game.matching import MAX_N, MIN_N
+from selfplay.game.matching.rules import MAX_N, MIN_N
+from selfplay.players import partners
 from selfplay.records import SamplingParams
 
 # Options that decide *which* games a folder holds; a resume must not change them.

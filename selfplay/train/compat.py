@@ -53,7 +53,7 @@ def check_verl_version() -> str:
         )
     if version != PINNED_VERL_VERSION:
         raise VerlVersionError(
-            f"verl {version} is installed but selfplay.compat is written for "
+            f"verl {version} is installed but selfplay.train.compat is written for "
             f"verl=={PINNED_VERL_VERSION}; "
             f"install verl=={PINNED_VERL_VERSION}, or port selfplay/compat.py and "
             "selfplay/train/ to the new version and move the pin"
@@ -258,8 +258,8 @@ def install_cpu_platform() -> None:
         if cached != "cpu":
             raise RuntimeError(
                 "verl's FSDP engine was imported before the CPU platform was installed (it cached "
-                f"device {cached!r}); call selfplay.compat.install_cpu_platform() before importing "
-                "verl.workers.engine*, or run on a GPU"
+                f"device {cached!r}); call selfplay.train.compat.install_cpu_platform() before "
+                "importing verl.workers.engine*, or run on a GPU"
             )
     cls = _register_platform()
     import verl.plugin.platform.platform_manager as pm

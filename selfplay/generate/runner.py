@@ -15,8 +15,8 @@
   games the folder contains; a re-run with different ones is refused with the differences named.
 - An ``EngineFailure`` (dead server) stops the run: games in flight are cancelled, every finished
   game is kept, and the error says how to resume. Ctrl-C does the same.
-- With a partner (``selfplay.partners``) the model plays seat ``policy_seat`` (its only trained
-  seat) and a scripted policy or an API chat model the other (``rollout.seating``);
+- With a partner (``selfplay.players.partners``) the model plays seat ``policy_seat`` (its only
+  trained seat) and a scripted policy or an API chat model the other (``rollout.seating``);
   ``policy_seat`` 2 lets the partner move first. An API partner is one ``PartnerClient`` per run
   (concurrency, reply cache in ``OUT/partner_cache.jsonl``, call cap); its spend goes into the
   summary (``partner``) and one line per run in ``OUT/partner_usage.jsonl``. Its spent cap stops
@@ -41,9 +41,18 @@ import orjson
 
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
 from selfplay.errors import UserError
+from selfplay.fileio import folder_lock
 from selfplay.game import get_game
-from selfplay.generate_config import GenerateConfig
-from selfplay.locks import folder_lock
+from selfplay.generate.config import GenerateConfig
+from selfplay.generate.rollout import (
+    GameSpec,
+    Scenarios,
+    Seating,
+    llm_seat,
+    play_many,
+    seating,
+    training_plan,
+)
 from selfplay.metrics import GameSummary, Summary
 from selfplay.players.api import (
     ApiPartnerConfig,
@@ -54,15 +63,6 @@ from selfplay.players.api import (
 )
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, append_records, repair_jsonl_tail
-from selfplay.rollout import (
-    GameSpec,
-    Scenarios,
-    Seating,
-    llm_seat,
-    play_many,
-    seating,
-    training_plan,
-)
 from selfplay.seeds import TRAIN_SPACE as TRAIN_SPACE  # re-exports: the training seed space
 from selfplay.seeds import game_seed as game_seed  # lived here before selfplay.seeds
 from selfplay.seeds import scenario_seed as scenario_seed

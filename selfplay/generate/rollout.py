@@ -37,7 +37,11 @@ from typing import Any
 
 from selfplay.engines import Engine
 from selfplay.game import MATCHING, DialogueGame
-from selfplay.partners import (
+from selfplay.generate.play import play_game
+from selfplay.players import Player
+from selfplay.players.api import ApiPartner, PartnerClient
+from selfplay.players.llm import ChatFormat, LLMPlayer
+from selfplay.players.partners import (
     OpenAIPartner,
     PartnerSpec,
     ScriptedPartner,
@@ -45,10 +49,6 @@ from selfplay.partners import (
     parse_partner,
     policy_seat_index,
 )
-from selfplay.play import play_game
-from selfplay.players import Player
-from selfplay.players.api import ApiPartner, PartnerClient
-from selfplay.players.llm import ChatFormat, LLMPlayer
 from selfplay.records import GameRecord, SamplingParams
 from selfplay.seeds import derive_seed, eval_game_seed, eval_scenario_seed, game_seed, scenario_seed
 

@@ -3,7 +3,7 @@
 ``is_question`` is plain English (a '?', a question word first, an asking phrase);
 ``classify_question`` adds the matching game's names: ``direct`` when the question names a
 reviewer and a paper of the table, ``general`` for any other question, ``none`` otherwise. Pure
-string functions; ``metrics`` re-exports both and ``MATCHING.classify_question`` calls the second.
+string functions; ``MATCHING.classify_question`` calls the second.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from selfplay.game.api import QuestionKind
-from selfplay.game.matching import MAX_N, mentions
+from selfplay.game.matching.rules import MAX_N, mentions
 
 _QUESTION_WORDS = (
     "what", "which", "who", "whom", "whose", "how", "why", "where", "when", "do", "does", "did",

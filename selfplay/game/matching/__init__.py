@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from selfplay.game import prompts, questions
 from selfplay.game.api import QuestionKind
-from selfplay.game.matching import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, Scenario
-from selfplay.game.matching import generate_scenario as _generate_scenario
-from selfplay.game.matching_scripted import SCRIPTED_NAMES, make_scripted
-from selfplay.game.protocol import Game
+from selfplay.game.matching import prompts, questions
+from selfplay.game.matching.rules import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, Scenario
+from selfplay.game.matching.rules import generate_scenario as _generate_scenario
+from selfplay.game.matching.scripted import SCRIPTED_NAMES, make_scripted
+from selfplay.game.matching.turns import Game
 
 if TYPE_CHECKING:
     from selfplay.players import Player

@@ -23,15 +23,12 @@ that point are rows like any other (behaviour cloning does not use the reward).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 from selfplay.errors import UserError
-from selfplay.records import GameRecord, SeatConfig
 
 
 class HumanDataError(UserError, ValueError):
@@ -52,7 +49,7 @@ class HumanReplay:
 def human_turns(game: dict, n: int = 8) -> tuple[list[tuple[int, str]], str | None, int]:
     """(seat, action text) turns of one logged game under the rendering policy, the reason the
     replay stops early (None: it reaches the accept) and the messages dropped."""
-    from selfplay.game.matching import ProposalError, format_proposal, parse_proposal
+    from selfplay.game.matching.rules import ProposalError, format_proposal, parse_proposal
 
     log = game["action_log"]
     first = log[0]["player"]
@@ -96,22 +93,6 @@ def human_turns(game: dict, n: int = 8) -> tuple[list[tuple[int, str]], str | No
     return turns, "the log ends without an accept", dropped
 
 
-class _Replay:
-    """A seat that plays back its logged turns; raises when the log has no more for it."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts = list(texts)
-        self.config = SeatConfig(kind="scripted", name="human")
-
-    async def act(self, observation: str) -> str:
-        if not self.texts:
-            raise LookupError("the human log has no further turn for this seat")
-        return self.texts.pop(0)
-
-    def tokens(self) -> None:
-        return None
-
-
 def load_human_games(path: Path) -> list[dict]:
     if not path.is_file():
         raise HumanDataError(f"--human-data {path} does not exist (dialop-data/optimization.jsonl)")
@@ -119,37 +100,3 @@ def load_human_games(path: Path) -> list[dict]:
         return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
     except orjson.JSONDecodeError as e:
         raise HumanDataError(f"--human-data {path} is not JSONL: {e}") from None
-
-
-def human_records(path: Path, chat, stats: HumanReplay | None = None) -> Iterator[GameRecord]:
-    """Every human game of ``path`` replayed with both seats recorded under ``chat``."""
-    from selfplay.game.matching import scenario_from_arrays
-    from selfplay.play import play_game
-    from selfplay.players.teacher import TeacherPlayer
-
-    stats = stats if stats is not None else HumanReplay()
-    for i, game in enumerate(load_human_games(path)):
-        first = game["action_log"][0]["player"]
-        order = (first, 1 - first)
-        scenario = scenario_from_arrays(
-            game["table"],
-            tuple(game[f"mask{p + 1}"] for p in order),
-            tuple(game[f"scale{p + 1}"] for p in order),
-            scenario_id=f"human-{i}",
-        )
-        turns, stopped, dropped = human_turns(game, scenario.n)
-        seats = tuple(
-            TeacherPlayer(_Replay([t for s, t in turns if s == seat]), chat) for seat in (0, 1)
-        )
-        record = asyncio.run(
-            # a replay that stops early ends as out of actions, its turns all played
-            play_game(scenario, seats, game_id=f"human-{i}", seed=i, max_actions=max(len(turns), 1))
-        )
-        stats.games += 1
-        stats.turns += len(turns)
-        stats.dropped_messages += dropped
-        if stopped is None:
-            stats.complete += 1
-        else:
-            stats.stopped[stopped] = stats.stopped.get(stopped, 0) + 1
-        yield record

@@ -1,0 +1,135 @@
+"""Teacher games: scripted teachers' and the human games' moves played through our rules and
+recorded as the model's own turns (the warm start's rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from selfplay.game.matching.human import HumanReplay, human_turns, load_human_games
+from selfplay.records import GameRecord, SeatConfig, iter_game_records
+
+SFT_SPACE = 0x5E1F_5F7A  # first word of the teacher games' scenario seeds (even, like training)
+
+if TYPE_CHECKING:
+    from selfplay.iterate.sft import SFTConfig
+
+
+def scripted_name(spec: str) -> str:
+    """``scripted:NAME`` (or a bare NAME) -> NAME; ValueError naming the accepted forms."""
+    from selfplay.game.matching.scripted import SCRIPTED_NAMES
+
+    kind, sep, name = spec.partition(":")
+    if not sep:
+        kind, name = "scripted", spec
+    if kind != "scripted" or name not in SCRIPTED_NAMES:
+        raise ValueError(
+            f"teacher {spec!r} must be scripted:NAME with NAME one of {', '.join(SCRIPTED_NAMES)}"
+        )
+    return name
+
+
+def teacher_seed(seed: int, index: int) -> int:
+    """Scenario seed of teacher game ``index``: even, like training seeds, so never a held-out
+    evaluation scenario (those are odd), and in its own space apart from generate's."""
+    from selfplay.seeds import scenario_seed
+
+    return scenario_seed(seed ^ SFT_SPACE, 0, index)
+
+
+def play_teacher_games(config: SFTConfig, chat) -> list[GameRecord]:
+    """The teacher's games, its cloned seats recorded token-exactly under ``chat``."""
+    from selfplay.game.matching.rules import generate_scenario
+    from selfplay.game.matching.scripted import make_scripted
+    from selfplay.generate.play import play_game
+    from selfplay.players.teacher import TeacherPlayer
+    from selfplay.seeds import derive_seed
+
+    assert config.teacher is not None
+    teacher = scripted_name(config.teacher)
+    names = (teacher, scripted_name(config.partner) if config.partner else teacher)
+    cloned = {"both": (0, 1), "1": (0,), "2": (1,)}[config.clone]
+
+    async def run() -> list[GameRecord]:
+        records = []
+        for i in range(config.num_games):
+            sseed = teacher_seed(config.seed, i)
+            scenario = generate_scenario(sseed, config.table_size)
+            gseed = derive_seed(SFT_SPACE, config.seed, i)
+            seats = []
+            for seat in (0, 1):
+                name = names[0] if seat in cloned else names[1]
+                player = make_scripted(name, scenario, seat, seed=derive_seed(gseed, seat))
+                seats.append(TeacherPlayer(player, chat) if seat in cloned else player)
+            records.append(
+                await play_game(
+                    scenario,
+                    (seats[0], seats[1]),
+                    game_id=f"sft-s{sseed}-g0",
+                    seed=gseed,
+                    max_actions=config.max_actions,
+                )
+            )
+        return records
+
+    return asyncio.run(run())
+
+
+def filtered_games(path: Path, min_reward: float) -> Iterator[GameRecord]:
+    """The games of ``path`` whose reward is at least ``min_reward``."""
+    for record in iter_game_records(path):
+        if record.reward >= min_reward:
+            yield record
+
+
+class _Replay:
+    """A seat that plays back its logged turns; raises when the log has no more for it."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = list(texts)
+        self.config = SeatConfig(kind="scripted", name="human")
+
+    async def act(self, observation: str) -> str:
+        if not self.texts:
+            raise LookupError("the human log has no further turn for this seat")
+        return self.texts.pop(0)
+
+    def tokens(self) -> None:
+        return None
+
+
+def human_records(path: Path, chat, stats: HumanReplay | None = None) -> Iterator[GameRecord]:
+    """Every human game of ``path`` replayed with both seats recorded under ``chat``."""
+    from selfplay.game.matching.rules import scenario_from_arrays
+    from selfplay.generate.play import play_game
+    from selfplay.players.teacher import TeacherPlayer
+
+    stats = stats if stats is not None else HumanReplay()
+    for i, game in enumerate(load_human_games(path)):
+        first = game["action_log"][0]["player"]
+        order = (first, 1 - first)
+        scenario = scenario_from_arrays(
+            game["table"],
+            tuple(game[f"mask{p + 1}"] for p in order),
+            tuple(game[f"scale{p + 1}"] for p in order),
+            scenario_id=f"human-{i}",
+        )
+        turns, stopped, dropped = human_turns(game, scenario.n)
+        seats = tuple(
+            TeacherPlayer(_Replay([t for s, t in turns if s == seat]), chat) for seat in (0, 1)
+        )
+        record = asyncio.run(
+            # a replay that stops early ends as out of actions, its turns all played
+            play_game(scenario, seats, game_id=f"human-{i}", seed=i, max_actions=max(len(turns), 1))
+        )
+        stats.games += 1
+        stats.turns += len(turns)
+        stats.dropped_messages += dropped
+        if stopped is None:
+            stats.complete += 1
+        else:
+            stats.stopped[stopped] = stats.stopped.get(stopped, 0) + 1
+        yield record

@@ -1,0 +1,127 @@
+"""A heavy stage in a spawned child process (``isolated``), its logging, progress lines and peak
+memory; the kill-test hook ``SELFPLAY_HOLD_BEFORE``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from selfplay.generate.config import GenerateConfig
+
+log = logging.getLogger(__name__)
+
+
+# A testing aid for kill tests: with SELFPLAY_HOLD_BEFORE=convert (or train) the run touches
+# data/RUN/holding_<stage> when that stage starts and waits there until it is killed.
+HOLD_ENV = "SELFPLAY_HOLD_BEFORE"
+
+
+def _hold(run_dir: Path, stage: str) -> None:
+    if os.environ.get(HOLD_ENV) == stage:
+        (run_dir / f"holding_{stage}").touch()
+        log.warning("%s=%s: holding before %s until killed", HOLD_ENV, stage, stage)
+        while True:
+            time.sleep(1)
+
+
+Generate = Callable[[GenerateConfig, Any], Any]
+
+
+class _LogProgress:
+    """A stage's progress as log lines, about every tenth of the way (a stage runs in a child
+    whose stderr may be a log file; a terminal gets a progress bar instead)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.shown = -1
+
+    def start(self, stats) -> None:
+        self.shown = stats.done
+
+    def update(self, stats) -> None:
+        step = max(1, -(-stats.total // 10))  # ceil: at most ten lines, then the last
+        if stats.done // step > self.shown // step or stats.done == stats.total:
+            self.shown = stats.done
+            log.info(
+                "%s: %d/%d games, %.2f games/s, %.0f tokens/s, reward %.3f",
+                self.label,
+                stats.done,
+                stats.total,
+                stats.games_per_s,
+                stats.tokens_per_s,
+                stats.mean_reward,
+            )
+
+    def stop(self, stats) -> None:
+        if self.shown != stats.done:
+            self.update(stats)
+
+
+def _stage_progress(label: str):
+    import sys
+
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        from selfplay.generate.runner import RichProgress
+
+        return RichProgress(Console(stderr=True))
+    return _LogProgress(label)
+
+
+def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
+    from selfplay.generate.runner import run_generate
+
+    run_generate(gen_cfg, engine_cfg, _stage_progress(f"round {gen_cfg.round} generate"))
+
+
+def _child_logging(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:  # as the CLI does: verl's notes on engines it lacks are noise
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r".* engine is not available")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def _measured(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    import resource
+
+    result = fn(*args)
+    return result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+
+
+def isolated(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` in a fresh (spawned) child process; its result or its exception comes back.
+
+    A stage's memory (models, KV caches, allocator arenas) is returned to the system when the
+    child exits, so a run's memory does not grow round by round, and process-wide settings a
+    stage makes (torch's thread count, the process group) end with it. Returns the result and
+    the child's peak resident memory in MiB.
+    """
+    level = logging.getLogger().getEffectiveLevel()
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_child_logging,
+        initargs=(level,),
+    ) as pool:
+        return pool.submit(_measured, fn, *args).result()
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory now, in MiB (Linux; None elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,212 @@
+"""The run's options (``IterateConfig``) and which of them a resume must keep
+(``config_identity``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from selfplay.convert import ConvertOptions
+from selfplay.engines import EngineConfig
+from selfplay.errors import UserError
+from selfplay.game import DEFAULT_GAME, MATCHING, game_of
+from selfplay.generate.config import GenerateOptions
+from selfplay.train.config import TrainerOptions
+
+
+class IterateError(UserError, ValueError):
+    """The run cannot go on as asked (conflicting config, missing artifact); says what to do."""
+
+
+class TrainOptions(TrainerOptions):
+    """The train-stage options that stay the same every round (data, model and out vary)."""
+
+    updates_per_round: int = Field(
+        4, ge=1, description="Optimizer updates per round when --mini-batch-size is not given."
+    )
+    # The HF model of every round is always kept; it is what the next round starts from, so a
+    # resume works whatever is kept (a killed train starts over).
+    keep_checkpoints: Literal["none", "last", "all"] = Field(
+        "none",
+        description="verl's checkpoint (weights + optimizer state, about 4x the model) of which "
+        "rounds to keep: none, last or all. Each round's HF model is always kept; resume needs "
+        "only it.",
+    )
+
+    @model_validator(mode="after")
+    def _cluster(self) -> TrainOptions:
+        if self.ray_address and self.gpus == 0:
+            raise ValueError("ray_address: training on a Ray cluster needs --gpus (per node)")
+        if self.nodes > 1 and not self.ray_address:
+            raise ValueError("nodes: several nodes need --ray-address (an existing Ray cluster)")
+        return self
+
+
+class IterateConfig(GenerateOptions, ConvertOptions):
+    """Everything one run needs; stored in the manifest and compared on every resume.
+
+    Per round: ``GenerateOptions`` (sampling, play, partner; partner_max_calls is per round),
+    ``ConvertOptions`` and ``train`` are passed on to that stage's config as they are."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Run name: data/NAME, checkpoints/NAME.",
+        json_schema_extra={"envvar": "EXP_NAME"},
+    )
+    iterations: int = Field(
+        ge=1, description="Rounds in total.", json_schema_extra={"envvar": "NUM_ITERATIONS"}
+    )
+    model: str = Field(description="The initial model: a local HF directory or an HF id.")
+    games_per_iter: int = Field(
+        200,
+        ge=2,
+        description="Games generated per round.",
+        json_schema_extra={"envvar": "GAMES_PER_ITER"},
+    )
+    epochs_per_iter: int = Field(
+        1,
+        ge=1,
+        description="Passes over a round's rows.",
+        json_schema_extra={"envvar": "EPOCHS_PER_ITER"},
+    )
+    data_root: Path = Field(Path("data"), description="Where data/NAME goes.")
+    checkpoint_root: Path = Field(Path("checkpoints"), description="Where checkpoints/NAME goes.")
+    engine: EngineConfig = Field(
+        description="The engine of every generate stage; its model is replaced every round."
+    )
+    games_per_scenario: int = Field(
+        4, ge=2, description="Games per scenario: a GRPO group compares them (at least 2)."
+    )
+    train: TrainOptions = TrainOptions()
+    warm_start: str | None = Field(
+        None,
+        description="Before round 0: scripted:NAME:GAMES (behaviour cloning of a scripted policy "
+        "on GAMES games, e.g. scripted:cooperative:400) or a model dir to start from.",
+    )
+    warm_start_lr: float = Field(1e-4, gt=0.0, description="Warm start: SFT learning rate.")
+    warm_start_epochs: int = Field(1, ge=1, description="Warm start: passes over its rows.")
+    warm_start_mini_batch_size: int = Field(
+        4, ge=1, description="Warm start: rows per optimizer update."
+    )
+    eval_scenarios: int = Field(
+        30, ge=0, description="Held-out scenarios each round's model plays greedily (0: none)."
+    )
+    eval_seed: int = Field(7, ge=0, description="Picks the held-out scenarios.")
+    loggers: tuple[str, ...] = Field(
+        (), description="Experiment trackers, as verl names them: console, tensorboard, wandb..."
+    )
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from selfplay.tracking import parse_loggers
+
+        return parse_loggers(",".join(v))
+
+    @field_validator("warm_start")
+    @classmethod
+    def _warm_start_form(cls, v: str | None, info: ValidationInfo) -> str | None:
+        game = game_of(info)
+        if v is not None and game is not None and game is not MATCHING:
+            raise ValueError(
+                "the warm start clones the matching game's scripted players (selfplay sft); "
+                f"--game {game.name} has no teacher games yet: drop --warm-start"
+            )
+        if v is not None and v.startswith("scripted:"):
+            parse_warm_start(v)
+        return v
+
+    @property
+    def warm_start_dir(self) -> Path:
+        return self.checkpoint_root / self.name / "warm_start"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.data_root / self.name
+
+    def round_dir(self, k: int) -> Path:
+        return self.run_dir / f"round_{k}"
+
+    def checkpoint_dir(self, k: int) -> Path:
+        return self.checkpoint_root / self.name / f"round_{k}"
+
+    def identity(self) -> dict:
+        """What a resume must not change (raising --iterations extends a run)."""
+        return config_identity(self.model_dump(mode="json"))
+
+
+# Options a resume may change: more rounds, a higher partner call cap, another key variable.
+RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env", "loggers")
+
+
+# Options added after the first runs, with the value those runs had: a manifest written before
+# them still resumes when they are left at it.
+ADDED_LATER = {
+    "policy_seat": 1,
+    "partner_base_url": None,
+    "invalid_penalty": 0.0,
+    "warm_start": None,
+    "warm_start_lr": 1e-4,
+    "warm_start_epochs": 1,
+    "warm_start_mini_batch_size": 4,
+    "eval_scenarios": 0,
+    "eval_seed": 7,
+    "game": DEFAULT_GAME,
+}
+
+
+TRAIN_ADDED_LATER = {
+    "nodes": 1,
+    "updates_per_round": 4,
+    "entropy_coef": 0.0,
+    "dtype": "auto",  # older runs stored None, read as auto
+}
+
+
+# Train options a resume may change (what is kept on disk, not what is trained).
+TRAIN_RESUMABLE = ("keep_checkpoints", "save_verl_checkpoint")  # the latter: its earlier name
+
+
+def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config dump (new or from a manifest) that a resume must keep."""
+    out = {k: v for k, v in dump.items() if k not in RESUMABLE}
+    for name, old in ADDED_LATER.items():
+        if out.get(name, old) == old:
+            out.pop(name, None)
+    for name in ("data_root", "checkpoint_root"):  # the same folder however it was written
+        if out.get(name) is not None:
+            out[name] = str(Path(out[name]).resolve())
+    train = {k: v for k, v in (out.get("train") or {}).items() if k not in TRAIN_RESUMABLE}
+    if "dtype" in train and train["dtype"] is None:  # before auto had a name
+        train["dtype"] = "auto"
+    for name, old in TRAIN_ADDED_LATER.items():
+        if train.get(name, old) == old:
+            train.pop(name, None)
+    out["train"] = train
+    return out
+
+
+def parse_warm_start(spec: str) -> tuple[str, int]:
+    """``scripted:NAME:GAMES`` -> (NAME, GAMES); ValueError naming the accepted forms."""
+    from selfplay.game.matching.scripted import SCRIPTED_NAMES
+
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[1] not in SCRIPTED_NAMES or not parts[2].isdigit():
+        raise ValueError(
+            f"warm start {spec!r} must be scripted:NAME:GAMES (NAME one of "
+            f"{', '.join(SCRIPTED_NAMES)}, e.g. scripted:cooperative:1000) or a model directory"
+        )
+    if int(parts[2]) < 1:
+        raise ValueError(f"warm start {spec!r}: GAMES must be at least 1")
+    return parts[1], int(parts[2])

@@ -1,0 +1,176 @@
+"""The two stages outside a round: the warm start and the held-out evaluation."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from selfplay.game import MATCHING, get_game
+from selfplay.generate.config import PlayOptions
+from selfplay.iterate.child import _hold, isolated
+from selfplay.iterate.config import IterateConfig, IterateError, parse_warm_start
+from selfplay.iterate.resume import Run
+from selfplay.manifest import StageRecord
+from selfplay.metrics import HeldOut
+from selfplay.players.partners import PartnerOptions
+from selfplay.records import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def _heldout_baselines(name: str) -> tuple[str, ...]:
+    """The held-out baseline rows: eval's default ones, and for the matching game inquisitive too
+    (the asking reference, the upper bound beside a shy partner)."""
+    from selfplay.evaluate.config import default_baselines
+
+    game = get_game(name)
+    names = default_baselines(game)
+    return (*names, "inquisitive") if game is MATCHING else names
+
+
+def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
+    """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
+    from selfplay.iterate.sft import SFTConfig, sft
+
+    assert cfg.warm_start is not None
+    name, games = parse_warm_start(cfg.warm_start)
+    result = sft(
+        SFTConfig(
+            model=cfg.model,
+            out=cfg.warm_start_dir,
+            teacher=f"scripted:{name}",
+            num_games=games,
+            lr=cfg.warm_start_lr,
+            epochs=cfg.warm_start_epochs,
+            mini_batch_size=cfg.warm_start_mini_batch_size,
+            **cfg.model_dump(include={"table_size", "max_actions", "seed", "max_length"}),
+            **cfg.train.model_dump(include={"dtype", "micro_batch_size", "gpus", "ray_address"}),
+        )
+    )
+    losses = [s.loss for s in result.steps]
+    return {
+        "rows": result.rows,
+        "updates": result.steps[-1].step if result.steps else 0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "tokens_per_s": float(np.mean([s.tokens_per_s for s in result.steps])),
+    }
+
+
+def warm_start(run: Run) -> str:
+    """The model round 0 starts from: the warm-start stage's (run or resumed) or the initial."""
+    cfg = run.config
+    if cfg.warm_start is None:
+        return cfg.model
+    if not cfg.warm_start.startswith("scripted:"):
+        if run.manifest.warm_start is None:
+            run.manifest.warm_start = StageRecord(
+                finished_at=time.time(), seconds=0.0, artifacts={"model": cfg.warm_start}
+            )
+            run.save()
+        return cfg.warm_start
+    if run.manifest.warm_start is None:
+        started = time.time()
+        out = cfg.warm_start_dir
+        if out.exists():  # a warm start killed mid-way: its output never counted
+            log.warning("removing the unfinished warm start %s", out)
+            shutil.rmtree(out)
+        _hold(cfg.run_dir, "warm_start")
+        log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
+        info, rss = isolated(_warm_start_sft, cfg)
+        from selfplay.model_card import annotate
+
+        annotate(out, name=f"{cfg.name} (warm start)")
+        run.manifest.warm_start = StageRecord(
+            finished_at=time.time(),
+            seconds=time.time() - started,
+            artifacts={"model": str(out)},
+            info={**info, "peak_rss_mb": rss},
+        )
+        run.save()
+    return run.manifest.warm_start.artifacts["model"]
+
+
+def _heldout_eval(
+    cfg: IterateConfig, model: str, out: Path, baselines: bool
+) -> tuple[HeldOut, dict[str, HeldOut]]:
+    """Greedy games of ``model`` on the run's held-out scenarios (in a child), and the scripted
+    baselines on the same scenarios when asked."""
+    from selfplay.evaluate.config import EvalConfig, ModelSpec
+    from selfplay.evaluate.run import run_eval
+
+    # the run's own engine: hf on its device and dtype, or SGLang (an attached server loads the
+    # evaluated weights with update_weights_from_disk, as the next round would)
+    where = {"engine": cfg.engine}
+    result = run_eval(
+        EvalConfig(
+            models=(ModelSpec(label="model", model=model),),
+            num_scenarios=cfg.eval_scenarios,
+            seed=cfg.eval_seed,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
+            baselines=_heldout_baselines(cfg.game) if baselines else (),
+            **where,
+            out=out,
+            **cfg.model_dump(
+                include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)
+            ),
+        )
+    )
+    fields = set(HeldOut.model_fields) - {"model"}
+
+    fields -= {"path"}
+
+    def held(row) -> HeldOut:
+        return HeldOut(model=row.model or row.name, path=str(out), **row.model_dump(include=fields))
+
+    row = result.row("model", "model")
+    if row.error:
+        raise IterateError(f"held-out evaluation of {model} failed: {row.error}")
+    return held(row), {r.name: held(r) for r in result.rows if r.kind == "baseline"}
+
+
+def heldout(run: Run, k: int, model: str) -> None:
+    """Evaluate the model that has had ``k`` rounds (once; a model a skipped round carried
+    forward keeps its result) and rewrite metrics.jsonl."""
+    cfg = run.config
+    held = run.manifest.heldout
+    if cfg.eval_scenarios == 0 or k in held:
+        return
+    if k > 0 and (k - 1) in held and held[k - 1].model == model:
+        held[k] = held[k - 1]
+    else:
+        log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
+        out = cfg.run_dir / "eval" / f"after_{k}_rounds"
+        (result, base), _ = isolated(_heldout_eval, cfg, model, out, not run.manifest.baselines)
+        held[k] = result
+        if base:
+            run.manifest.baselines = base
+        from selfplay.model_card import add_heldout
+
+        add_heldout(
+            model,
+            {
+                "scenarios": cfg.eval_scenarios,
+                "table_size": cfg.table_size,
+                "eval_seed": cfg.eval_seed,
+                "partner": cfg.partner,
+                **result.model_dump(
+                    include={"reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate"}
+                ),
+            },
+        )
+        log.info(
+            "held-out after %d round(s): reward %.3f [%.3f, %.3f], agreement %.2f",
+            k,
+            result.reward_mean or 0.0,
+            result.reward_ci_low or 0.0,
+            result.reward_ci_high or 0.0,
+            result.agreement_rate or 0.0,
+        )
+    run.save()
+    run.write_metrics()

@@ -1,0 +1,124 @@
+"""The run's manifest on disk (``Run``): created, read back, replaced atomically."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import orjson
+from pydantic import (
+    BaseModel,
+)
+
+from selfplay.iterate.config import IterateConfig, IterateError, config_identity
+from selfplay.manifest import Manifest, StageRecord, read_manifest
+from selfplay.metrics import RoundMetrics
+from selfplay.model_card import git_commit
+
+log = logging.getLogger(__name__)
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("selfplay", "torch", "transformers", "verl", "numpy", "pyarrow", "sglang"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class Run:
+    """A run on disk: its manifest, loaded or created, and the loop that advances it."""
+
+    def __init__(self, config: IterateConfig, *, force: bool = False) -> None:
+        self.config = config
+        self.path = config.run_dir / "manifest.json"
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self.manifest = read_manifest(self.path)
+            self._check_same(force)
+        else:
+            self.manifest = Manifest(
+                name=config.name,
+                config=config.model_dump(mode="json"),
+                created_at=time.time(),
+                versions=package_versions(),
+                git_commit=git_commit(),
+            )
+            self.save()
+
+    def _check_same(self, force: bool) -> None:
+        old = config_identity(self.manifest.config)
+        new = self.config.identity()
+        diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        if diff and not self.started():
+            log.info(
+                "run %s had not produced anything yet: taking the new options", self.config.name
+            )
+            self.manifest.rounds = {}
+        elif diff and not force:
+            details = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
+            raise IterateError(
+                f"run {self.config.name!r} was started with another configuration ({details}). "
+                "Use the same options to resume, another --name for a new run, or --force to "
+                "continue with the new options."
+            )
+        if diff:
+            log.warning("--force: continuing run %s with changed %s", self.config.name, diff)
+        self.manifest.config = self.config.model_dump(mode="json")
+        self.save()
+
+    def started(self) -> bool:
+        """Whether the run has produced anything: a finished stage or a played game (until then
+        a corrected command may change the options)."""
+        m = self.manifest
+        if m.warm_start or m.heldout or m.heldout_initial:
+            return True
+        for k, r in m.rounds.items():
+            games = self.config.round_dir(k) / "games.jsonl"
+            if r.stages or (games.exists() and games.stat().st_size > 0):
+                return True
+        return False
+
+    def save(self) -> None:
+        _atomic_write(self.path, orjson.dumps(self.manifest.model_dump(mode="json")))
+
+    def finish(self, k: int, stage: str, started: float, **fields) -> StageRecord:
+        rec = StageRecord(finished_at=time.time(), seconds=time.time() - started, **fields)
+        self.manifest.rounds[k].stages[stage] = rec
+        self.save()
+        return rec
+
+    def write_metrics(self) -> None:
+        """metrics.jsonl: per finished round its games' statistics, its training, and the
+        held-out results of the model it started from (``heldout``) and of the one it produced
+        (``heldout_after``, once evaluated)."""
+        held = self.manifest.heldout
+        lines = [
+            orjson.dumps(
+                RoundMetrics(
+                    round=k, **r.metrics, heldout=held.get(k), heldout_after=held.get(k + 1)
+                ).model_dump(mode="json")
+            )
+            for k, r in sorted(self.manifest.rounds.items())
+            if r.metrics is not None
+        ]
+        _atomic_write(self.config.run_dir / "metrics.jsonl", b"".join(x + b"\n" for x in lines))
+
+
+def _dump(model: BaseModel | None) -> dict | None:
+    return None if model is None else model.model_dump(mode="json")

@@ -1,0 +1,80 @@
+"""A round's metrics (metrics.jsonl) and what the experiment trackers are sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from selfplay.iterate.child import _rss_mb
+from selfplay.iterate.resume import Run
+from selfplay.manifest import RoundRecord
+from selfplay.metrics import summarize
+from selfplay.records import iter_game_records
+
+ROUND_KEYS = (
+    "games",
+    "reward_mean",
+    "reward_ci_low",
+    "reward_ci_high",
+    "agreement_rate",
+    "invalid_action_rate",
+    "mean_actions",
+    "questions_per_game",
+    "direct_questions_per_game",
+    "general_questions_per_game",
+)
+
+
+HELDOUT_KEYS = (
+    "reward_mean",
+    "reward_ci_low",
+    "reward_ci_high",
+    "agreement_rate",
+    "invalid_action_rate",
+    "questions_per_game",
+    "direct_questions_per_game",
+)
+
+
+def track_round(run: Run, tracker: Any, k: int) -> None:
+    """Send round ``k`` (its training steps, then its metrics) to the trackers, once."""
+    from selfplay.tracking import flat
+
+    rnd = run.manifest.rounds[k]
+    if rnd.tracked or rnd.metrics is None:
+        return
+    metrics_path = rnd.stages["train"].artifacts.get("metrics")
+    if metrics_path and Path(metrics_path).exists():
+        for step in orjson.loads(Path(metrics_path).read_bytes())["steps"]:
+            run.manifest.tracker_step += 1
+            tracker.log(flat("train", {**step, "round": k}), step=run.manifest.tracker_step)
+    m = rnd.metrics
+    values = {key: m.get(key) for key in ROUND_KEYS}
+    for key, j in (("heldout_before", k), ("heldout", k + 1)):  # the round's start and result
+        if (h := run.manifest.heldout.get(j)) is not None:
+            values[key] = h.model_dump(include=set(HELDOUT_KEYS))
+    values["trained"] = 0.0 if m.get("skip_reason") else 1.0
+    run.manifest.tracker_step += 1
+    tracker.log(flat("round", {**values, "round": k}), step=run.manifest.tracker_step)
+    rnd.tracked = True
+    run.save()
+
+
+def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
+    """The metrics.jsonl line of a finished round: game statistics, training, stage times."""
+    summary = summarize(iter_game_records(games))
+    train = rnd.stages["train"]
+    return {
+        **summary.model_dump(exclude={"partner"}),
+        "model": rnd.model,
+        "train": train.info or None,
+        "skip_reason": train.skip_reason,
+        "seconds": {name: rec.seconds for name, rec in rnd.stages.items()},
+        # resident memory (MiB): the loop's own now, and each stage's peak (its own process)
+        "rss_mb": {
+            "loop": _rss_mb(),
+            **{n: r.info["peak_rss_mb"] for n, r in rnd.stages.items() if "peak_rss_mb" in r.info},
+        },
+    }
