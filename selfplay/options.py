@@ -43,9 +43,15 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from selfplay.engines import ENGINE_KINDS, HFEngineConfig, SGLangEngineConfig
 from selfplay.errors import UserError
+from selfplay.evaluate.config import EvalConfig
+from selfplay.generate.config import GenerateConfig
+from selfplay.iterate.config import IterateConfig
+from selfplay.iterate.sft import SFTConfig
+from selfplay.train.config import TrainConfig, TrainerOptions
 
-__all__ = ["Fields", "OptionError", "build", "explain", "options"]
+__all__ = ["Fields", "OptionError", "build", "explain", "options"]  # and the commands' specs below
 
 
 class OptionError(UserError, ValueError):
@@ -276,3 +282,87 @@ def explain(e: ValidationError, spec: Fields | type[BaseModel]) -> str:
     if not loc:  # a check across fields that names its options in its message
         return msg
     return f"--{_flag(spec.name('.'.join(loc)))}: {msg}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands' options: which config fields each command takes (cli.py declares the commands).
+HF = Fields(
+    HFEngineConfig,
+    include=("device", "dtype", "max_batch_size", "prefix_cache_tokens"),
+    prefix="hf: ",
+)
+SGLANG = Fields(
+    SGLangEngineConfig,
+    include=("startup_timeout_s", "python", "port", "tp_size", "mem_fraction", "extra_args"),
+    first=("startup_timeout_s",),
+    rename={
+        "url": "engine_url",
+        "startup_timeout_s": "health_timeout",
+        "python": "sglang_python",
+        "port": "sglang_port",
+        "extra_args": "sglang_arg",
+    },
+    prefix="sglang: ",
+)
+GENERATE = Fields(
+    GenerateConfig,
+    exclude=("out", "model", "partner_concurrency", "sampling.seed"),
+    first=("num_games", "games_per_scenario", "sampling"),
+    override={"num_games": {"default": 200}},
+)
+TRAIN = Fields(
+    TrainConfig,
+    include=("epochs", *TrainerOptions.model_fields, "seed", "resume_from"),
+    first=("epochs",),
+)
+SFT = Fields(SFTConfig, exclude=("model", "max_actions", "ray_address", "save_verl_checkpoint"))
+EVAL = Fields(
+    EvalConfig,
+    exclude=(
+        "models",
+        "num_scenarios",
+        "baselines",
+        "engine",
+        "human_data",
+        "out",
+        "sampling.seed",
+    ),
+    rename={"models.label": "models", "models.model": "models"},
+    override={"sampling.temperature": {"envvar": None}},  # greedy unless asked
+)
+ITERATE = Fields(
+    IterateConfig,
+    exclude=("model", "engine", "loggers", "sampling.seed"),
+    first=(
+        "iterations",
+        "games_per_iter",
+        "epochs_per_iter",
+        "name",
+        "data_root",
+        "checkpoint_root",
+        "seed",
+        "sampling",
+        "games_per_scenario",
+    ),
+    override={"iterations": {"default": 5}, "name": {"default": "selfplay"}},
+)
+
+# Options that no config holds.
+EngineOption = Annotated[
+    str,
+    typer.Option(
+        help=f"The engine: {', '.join(ENGINE_KINDS)} (hf: transformers in-process; sglang: a "
+        "server, launched or attached)."
+    ),
+]
+EngineUrlOption = Annotated[
+    str | None, typer.Option(help="sglang: attach to a running server (or router) at this URL.")
+]
+LoggerOption = Annotated[
+    str,
+    typer.Option(
+        "--logger",
+        help="Experiment trackers, comma-separated, as verl names them: console, tensorboard, "
+        "wandb, mlflow (swanlab, trackio where installed). WANDB_MODE=offline works offline.",
+    ),
+]

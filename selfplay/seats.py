@@ -1,13 +1,13 @@
 """One seat's contract, below every game: how it samples, who plays it, and its exact tokens.
 
-Players (``selfplay.players``, and a game's own scripted players) build ``SeatConfig`` and
-``SeatTokens``; ``selfplay.records`` keeps them in every ``GameRecord`` and re-exports them.
-Nothing here imports a game, so a game module may import it.
+Players (``selfplay.players``, and a game's own scripted players) satisfy ``Player`` and build
+``SeatConfig`` and ``SeatTokens``; ``selfplay.records`` keeps them in every ``GameRecord`` and
+re-exports them. Nothing here imports a game, so a game module may import it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -65,3 +65,18 @@ class SeatTokens(BaseModel):
         if not set(self.mask) <= {0, 1}:
             raise ValueError("mask values must be 0 or 1")
         return self
+
+
+class Player(Protocol):
+    """Given what its seat was just shown, a seat's next action text. A player knows nothing of
+    the trainer; LLM players also keep their seat's exact tokens (``tokens()``)."""
+
+    config: SeatConfig
+
+    async def act(self, observation: str) -> str:
+        """Everything shown to this seat since its last action (one or more lines) -> its action."""
+        ...
+
+    def tokens(self) -> SeatTokens | None:
+        """The seat's token list (LLM players) or None (scripted and API players)."""
+        ...

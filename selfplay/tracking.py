@@ -93,3 +93,31 @@ def flat(prefix: str, values: dict[str, Any]) -> dict[str, float]:
         elif isinstance(value, int | float) and value == value:  # not NaN
             out[f"{prefix}/{key}"] = float(value)
     return out
+
+
+def tracked(logger: str, cfg, prefix: str, run, show):
+    """``run(on_step)`` of train or sft with each step shown and sent to the --logger trackers
+    as ``PREFIX/*`` (their files beside the output folder, in tracking/NAME, not in it)."""
+    from dataclasses import asdict
+
+    from selfplay.errors import UserError
+
+    try:
+        loggers = parse_loggers(logger)
+    except ValueError as e:
+        raise UserError(f"--logger: {e}") from None
+    out = Path(cfg.out).resolve()
+    with open_tracker(
+        loggers,
+        project="selfplay",
+        name=out.name,
+        run_dir=out.parent / "tracking" / out.name,
+        config=cfg.model_dump(mode="json"),
+    ) as tracker:
+
+        def on_step(m, total: int) -> None:
+            show(m, total)
+            if tracker is not None:
+                tracker.log(flat(prefix, asdict(m)), step=m.step)
+
+        return run(on_step)

@@ -20,9 +20,12 @@ HUMAN_GAMES = SHARED / "dialop-data" / "optimization.jsonl"
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 model + offline BPE tokenizer with a ChatML template (no hub)."""
+    from selfplay.game.matching.prompts import tokenizer_corpus
     from selfplay.models import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_qwen2")
+    return build_tiny_model(
+        tmp_path_factory.mktemp("models") / "tiny_qwen2", corpus=tokenizer_corpus()
+    )
 
 
 @pytest.fixture(scope="session")

@@ -169,9 +169,11 @@ def _games(out: Path) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory) -> Path:
     """A second tiny random model (other weights, same tokenizer recipe): a 'later round'."""
+    from selfplay.game.matching.prompts import tokenizer_corpus
     from selfplay.models import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_seed1", seed=1)
+    out = tmp_path_factory.mktemp("models") / "tiny_seed1"
+    return build_tiny_model(out, corpus=tokenizer_corpus(), seed=1)
 
 
 @pytest.mark.parametrize(

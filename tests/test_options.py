@@ -160,7 +160,7 @@ def _capture(monkeypatch) -> dict:
     monkeypatch.setattr("selfplay.generate.runner.run_generate", catch("generate"))
     monkeypatch.setattr("selfplay.iterate.iterate", catch("iterate"))
     monkeypatch.setattr("selfplay.convert.convert", catch("convert"))
-    monkeypatch.setattr(cli, "_tracked", lambda logger, cfg, *a: catch("tracked")(cfg))
+    monkeypatch.setattr(cli, "tracked", lambda logger, cfg, *a: catch("tracked")(cfg))
     return seen
 
 

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.convert import ConvertConfig, convert
 from selfplay.engines import Generation, GenerationRequest, HFEngineConfig
+from selfplay.game import MATCHING
 from selfplay.game.api import Outcome
 from selfplay.game.matching.rules import format_proposal
 from selfplay.game.matching.turns import PROPOSAL_CHOICES
@@ -66,9 +67,10 @@ QUESTION = "[message] What is the score of Ava Li on BLEU?"
     ],
 )
 def test_parse_partner(text, spec, canonical):
-    assert parse_partner(text) == spec
-    assert canonical_partner(text) == canonical
-    assert canonical_partner(canonical) == canonical  # idempotent: stored values re-parse
+    names = MATCHING.scripted_names
+    assert parse_partner(text, names) == spec
+    assert canonical_partner(text, names) == canonical
+    assert canonical_partner(canonical, names) == canonical  # idempotent: stored values re-parse
 
 
 @pytest.mark.parametrize(
@@ -82,7 +84,7 @@ def test_parse_partner(text, spec, canonical):
 )
 def test_parse_partner_rejects_with_the_accepted_forms(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_partner(text)
+        parse_partner(text, MATCHING.scripted_names)
 
 
 def _gen(out: Path, **kw) -> GenerateConfig:

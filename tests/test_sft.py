@@ -162,7 +162,7 @@ def test_filtered_games_keep_only_rewarding_games(teacher_rows, tiny_model, tmp_
 
 @pytest.mark.slow
 def test_a_trained_checkpoint_carries_a_model_card(tiny_model, tmp_path):
-    from selfplay.model_card import add_heldout, provenance, read_card
+    from selfplay.train.model_card import add_heldout, provenance, read_card
 
     out = tmp_path / "carded"
     result = CliRunner().invoke(

@@ -111,3 +111,33 @@ class _Hist:
             p99=pct(99),
             max=int(values[self.counts > 0].max()),
         )
+
+
+def summary_table(s, title: str):
+    """A rich table of a convert run's ``ConvertSummary`` (what ``selfplay convert`` prints)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("")
+    table.add_column("value", justify="right")
+    rows = {
+        "games read": s.games_read,
+        "lines skipped": s.lines_skipped,
+        "rows written (train / val)": f"{s.rows_written} ({s.rows_train} / {s.rows_val})",
+        "groups written (train / val)": f"{s.groups_written} ({s.groups_train} / {s.groups_val})",
+        "degenerate groups dropped": (
+            f"{s.groups_degenerate_dropped} ({s.rows_in_degenerate_groups_dropped} rows)"
+        ),
+        "singleton groups dropped": s.groups_singleton_dropped,
+        f"rows over {s.max_length} tokens dropped": s.rows_dropped_over_max_length,
+        "rows without own tokens dropped": s.rows_dropped_no_own_tokens,
+        "reward mean / std": f"{s.reward.mean:.4f} / {s.reward.std:.4f}",
+        "tokens p50 / p90 / p99 / max": (
+            f"{s.length_total.p50} / {s.length_total.p90} / {s.length_total.p99} / "
+            f"{s.length_total.max}"
+        ),
+        "games/s": f"{s.games_per_second:.0f}",
+    }
+    for key, value in rows.items():
+        table.add_row(key, str(value))
+    return table

@@ -17,9 +17,16 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 from selfplay.evaluate.config import CrossPlay, EvalResult, EvalRow
-from selfplay.iterate.report import save_figure
 
 COLORS = {"model": "tab:blue", "baseline": "tab:gray", "human": "tab:green"}
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it (pyplot keeps open figures alive)."""
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def table_rows(result: EvalResult) -> list[EvalRow]:
@@ -188,3 +195,28 @@ def write_eval_report(result: EvalResult, out: str | Path) -> dict[str, Path]:
     md = out / "eval.md"
     md.write_text(markdown(result, plots))
     return {"eval.md": md, **{p.name: p for p in plots.values()}}
+
+
+def console_table(result: EvalResult, num_scenarios: int):
+    """The rows of an evaluation as a rich table (what ``selfplay eval`` prints)."""
+    from rich.table import Table
+
+    table = Table(title=f"eval: {num_scenarios} held-out scenarios (seats in eval.md)")
+    for col in (
+        "row",
+        "games",
+        "reward",
+        "95% CI",
+        "agree",
+        "actions",
+        "words",
+        "invalid",
+        "q/game",
+    ):
+        table.add_column(col, justify="left" if col == "row" else "right", overflow="fold")
+    for r in table_rows(result):
+        cells = row_cells(r)  # name, seats, games, reward [lo, hi], agreement, ...
+        reward, _, ci = cells[3].partition(" ")
+        ci = ci.replace(", ", ",")
+        table.add_row(r.name, cells[2], reward, ci, *cells[4:])
+    return table

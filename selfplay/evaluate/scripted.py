@@ -58,3 +58,26 @@ def evaluate_scripted(players: tuple[str, str], **kwargs) -> dict:
     """Summary (see metrics.summarize) of scripted games plus the pair that played them."""
     summary = summarize(play_scripted(players, **kwargs))
     return {"players": list(players), **kwargs, **summary.model_dump(exclude={"partner"})}
+
+
+def scripted_table(names: tuple[str, str], num_games: int, summary: dict):
+    """A scripted pair's summary as a rich table (what ``selfplay eval --players`` prints)."""
+    import json
+
+    from rich.table import Table
+
+    table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {num_games} games")
+    for key in (
+        "reward_mean",
+        "reward_ci_low",
+        "reward_ci_high",
+        "agreement_rate",
+        "mean_actions",
+        "mean_words",
+        "invalid_action_rate",
+        "optimal_rate",
+        "questions_per_game",
+    ):
+        table.add_row(key, f"{summary[key]:.4f}")
+    table.add_row("outcomes", json.dumps(summary["outcomes"]))
+    return table

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar
 
-if TYPE_CHECKING:  # players import the game; the game needs players only as a type
-    from selfplay.players import Player
+from selfplay.seats import Player
 
 QuestionKind = Literal["direct", "general", "none"]
 QUESTION_KINDS: tuple[QuestionKind, ...] = ("direct", "general", "none")

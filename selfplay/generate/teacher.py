@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from selfplay.game.matching.human import HumanReplay, human_turns, load_human_games
 from selfplay.records import GameRecord, SeatConfig, iter_game_records
 
 SFT_SPACE = 0x5E1F_5F7A  # first word of the teacher games' scenario seeds (even, like training)
-
-if TYPE_CHECKING:
-    from selfplay.iterate.sft import SFTConfig
 
 
 def scripted_name(spec: str) -> str:
@@ -40,29 +37,39 @@ def teacher_seed(seed: int, index: int) -> int:
     return scenario_seed(seed ^ SFT_SPACE, 0, index)
 
 
-def play_teacher_games(config: SFTConfig, chat) -> list[GameRecord]:
-    """The teacher's games, its cloned seats recorded token-exactly under ``chat``."""
+def play_teacher_games(
+    chat,
+    *,
+    teacher: str,
+    partner: str | None,
+    clone: Literal["both", "1", "2"],
+    num_games: int,
+    seed: int,
+    table_size: int,
+    max_actions: int,
+) -> list[GameRecord]:
+    """``num_games`` games of scripted ``teacher`` (against ``partner``, else itself) on fresh
+    training scenarios, its cloned seats recorded token-exactly under ``chat``."""
     from selfplay.game.matching.rules import generate_scenario
     from selfplay.game.matching.scripted import make_scripted
     from selfplay.generate.play import play_game
     from selfplay.players.teacher import TeacherPlayer
     from selfplay.seeds import derive_seed
 
-    assert config.teacher is not None
-    teacher = scripted_name(config.teacher)
-    names = (teacher, scripted_name(config.partner) if config.partner else teacher)
-    cloned = {"both": (0, 1), "1": (0,), "2": (1,)}[config.clone]
+    name = scripted_name(teacher)
+    names = (name, scripted_name(partner) if partner else name)
+    cloned = {"both": (0, 1), "1": (0,), "2": (1,)}[clone]
 
     async def run() -> list[GameRecord]:
         records = []
-        for i in range(config.num_games):
-            sseed = teacher_seed(config.seed, i)
-            scenario = generate_scenario(sseed, config.table_size)
-            gseed = derive_seed(SFT_SPACE, config.seed, i)
+        for i in range(num_games):
+            sseed = teacher_seed(seed, i)
+            scenario = generate_scenario(sseed, table_size)
+            gseed = derive_seed(SFT_SPACE, seed, i)
             seats = []
             for seat in (0, 1):
-                name = names[0] if seat in cloned else names[1]
-                player = make_scripted(name, scenario, seat, seed=derive_seed(gseed, seat))
+                policy = names[0] if seat in cloned else names[1]
+                player = make_scripted(policy, scenario, seat, seed=derive_seed(gseed, seat))
                 seats.append(TeacherPlayer(player, chat) if seat in cloned else player)
             records.append(
                 await play_game(
@@ -70,7 +77,7 @@ def play_teacher_games(config: SFTConfig, chat) -> list[GameRecord]:
                     (seats[0], seats[1]),
                     game_id=f"sft-s{sseed}-g0",
                     seed=gseed,
-                    max_actions=config.max_actions,
+                    max_actions=max_actions,
                 )
             )
         return records

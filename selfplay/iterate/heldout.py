@@ -83,7 +83,7 @@ def warm_start(run: Run) -> str:
         _hold(cfg.run_dir, "warm_start")
         log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
         info, rss = isolated(_warm_start_sft, cfg)
-        from selfplay.model_card import annotate
+        from selfplay.train.model_card import annotate
 
         annotate(out, name=f"{cfg.name} (warm start)")
         run.manifest.warm_start = StageRecord(
@@ -150,7 +150,7 @@ def heldout(run: Run, k: int, model: str) -> None:
         held[k] = result
         if base:
             run.manifest.baselines = base
-        from selfplay.model_card import add_heldout
+        from selfplay.train.model_card import add_heldout
 
         add_heldout(
             model,

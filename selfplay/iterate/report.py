@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from selfplay.errors import UserError
 from selfplay.evaluate.config import BASELINES
 from selfplay.evaluate.human import HUMAN_REFERENCE
+from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
 from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
@@ -29,14 +30,6 @@ log = logging.getLogger(__name__)
 
 class ReportError(UserError, ValueError):
     """A run directory without metrics to report."""
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Lay ``fig`` out, write it to ``path`` and close it (pyplot keeps open figures alive)."""
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def _fmt(x, fmt: str = ".3f") -> str:

@@ -17,7 +17,7 @@ from pydantic import (
 from selfplay.iterate.config import IterateConfig, IterateError, config_identity
 from selfplay.manifest import Manifest, StageRecord, read_manifest
 from selfplay.metrics import RoundMetrics
-from selfplay.model_card import git_commit
+from selfplay.train.model_card import git_commit
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Behaviour cloning (``selfplay sft``): a supervised warm start on token-exact teacher rows.
 
 ``sft(SFTConfig) -> SFTResult`` builds rows from one source and fine-tunes the model on them
-with verl's SFT loss on the same workers as ``selfplay train`` (``train.trainer.train_sft``):
+with verl's SFT loss on the same workers as ``selfplay train`` (``train.sft.train_sft``):
 
 - ``teacher="scripted:NAME"``: plays ``num_games`` games of the scripted policy against itself
   (or ``partner``) on fresh training scenarios; the cloned seats (``clone``: both, 1 or 2) are
@@ -121,7 +121,7 @@ class SFTResult:
     rows_path: Path
     rows: int
     sources: dict[str, int]  # rows per source
-    steps: list  # train.trainer.SFTStepMetrics
+    steps: list  # train.sft.SFTStepMetrics
 
 
 def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
@@ -139,7 +139,13 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         tables.append(table)
 
     if config.teacher is not None:
-        records = play_teacher_games(config, chat)
+        records = play_teacher_games(
+            chat,
+            **config.model_dump(
+                include={"teacher", "partner", "clone", "num_games", "seed", "table_size"}
+                | {"max_actions"}
+            ),
+        )
         games_path = data / "games.jsonl"
         games_path.unlink(missing_ok=True)
         append_records(games_path, records)
@@ -192,7 +198,8 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
     """Build the rows and fine-tune ``config.model`` on them; see the module docstring."""
     from selfplay.players.llm import load_chat_format
     from selfplay.train.config import TrainConfig
-    from selfplay.train.trainer import check_new_output, train_sft
+    from selfplay.train.sft import train_sft
+    from selfplay.train.trainer import check_new_output
 
     check_new_output(config.out)  # before the teacher plays a single game
     chat = load_chat_format(config.model)

@@ -135,7 +135,7 @@ def run_round(run: Run, k: int, model: str, generate: Generate = _default_genera
             )
             log.info("round %d: training on %s", k, tcfg.data)
             result, rss = isolated(_train, tcfg)
-            from selfplay.model_card import annotate
+            from selfplay.train.model_card import annotate
 
             annotate(out, name=cfg.name, round=k)
             run.finish(

@@ -78,3 +78,24 @@ def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
             **{n: r.info["peak_rss_mb"] for n, r in rnd.stages.items() if "peak_rss_mb" in r.info},
         },
     }
+
+
+def summary_line(run, cfg) -> str:
+    """One line on a finished run: rounds trained or skipped, held-out reward before and after."""
+    rounds = run.manifest.rounds.values()
+    skipped = [r.stages["train"].skip_reason for r in rounds if r.stages["train"].skip_reason]
+    held = run.manifest.heldout
+    line = f"run {cfg.name}: {cfg.iterations} round(s), {cfg.iterations - len(skipped)} trained"
+    if skipped:
+        line += f", {len(skipped)} skipped ({'; '.join(sorted(set(skipped)))})"
+    if held:
+        first, last = held[min(held)], held[max(held)]
+        initial = run.manifest.heldout_initial
+        line += "; held-out reward " + (
+            f"{initial.reward_mean:.3f} before the warm start, " if initial else ""
+        )
+        line += (
+            f"{first.reward_mean:.3f} at round 0, {last.reward_mean:.3f} "
+            f"[{last.reward_ci_low:.3f}, {last.reward_ci_high:.3f}] after {max(held)}"
+        )
+    return line

@@ -1,23 +1,11 @@
 """Players: given what their seat was just shown, return the seat's next action text.
 
-A player knows nothing of the trainer. LLM players also keep their seat's exact tokens
-(``tokens()``); scripted and API players return None there.
+The ``Player`` protocol lives on the seat floor (``selfplay.seats``, below every game) and is
+re-exported here. ``llm.py``: the token-exact LLM seat; ``teacher.py``: a scripted or human seat
+recorded as the model's own turns; ``api.py``: the API chat partner; ``partners.py``: the
+``--partner`` spec.
 """
 
-from __future__ import annotations
+from selfplay.seats import Player
 
-from typing import Protocol
-
-from selfplay.records import SeatConfig, SeatTokens
-
-
-class Player(Protocol):
-    config: SeatConfig
-
-    async def act(self, observation: str) -> str:
-        """Everything shown to this seat since its last action (one or more lines) -> its action."""
-        ...
-
-    def tokens(self) -> SeatTokens | None:
-        """The seat's token list (LLM players) or None."""
-        ...
+__all__ = ["Player"]

@@ -250,7 +250,9 @@ def api_partner_config(
 ) -> ApiPartnerConfig | None:
     """The API partner of a run's partner options (None for self-play and scripted partners);
     its cache and usage files go in ``out`` (None: an in-memory cache only)."""
-    spec = parse_partner(options.partner)
+    from selfplay.game import get_game
+
+    spec = parse_partner(options.partner, get_game(options.game).scripted_names)
     if not isinstance(spec, OpenAIPartner):
         return None
     extra = {"base_url": options.partner_base_url} if options.partner_base_url else {}

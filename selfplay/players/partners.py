@@ -48,13 +48,11 @@ class OpenAIPartner:
 PartnerSpec = SelfPlay | ScriptedPartner | OpenAIPartner
 
 
-def parse_partner(text: str | None, scripted_names: Sequence[str] | None = None) -> PartnerSpec:
+def parse_partner(text: str | None, scripted_names: Sequence[str]) -> PartnerSpec:
     """``None``/``self`` -> SelfPlay; ``scripted:NAME`` or a bare NAME -> ScriptedPartner (NAME
-    one of the game's ``scripted_names``, the matching game's by default); ``openai:MODEL`` ->
-    OpenAIPartner. Raises ValueError naming the accepted forms."""
-    from selfplay.game import MATCHING
-
-    names = MATCHING.scripted_names if scripted_names is None else tuple(scripted_names)
+    one of the game's ``scripted_names``); ``openai:MODEL`` -> OpenAIPartner. Raises ValueError
+    naming the accepted forms."""
+    names = tuple(scripted_names)
 
     raw = "" if text is None else text.strip()
     if raw in ("", "self"):
@@ -79,7 +77,7 @@ def parse_partner(text: str | None, scripted_names: Sequence[str] | None = None)
             raise ValueError(f"unknown partner {raw!r}; use {PARTNER_FORMS}")
 
 
-def canonical_partner(text: str | None, scripted_names: Sequence[str] | None = None) -> str | None:
+def canonical_partner(text: str | None, scripted_names: Sequence[str]) -> str | None:
     """The stored form: None (self-play), a bare scripted name, or ``openai:MODEL``."""
     match parse_partner(text, scripted_names):
         case SelfPlay():
@@ -160,8 +158,8 @@ class PartnerOptions(BaseModel):
     def _known_partner(cls, v: str | None, info: ValidationInfo) -> str | None:
         from selfplay.game import game_of
 
-        game = game_of(info)  # a config with a ``game`` field takes that game's players
-        return canonical_partner(v, None if game is None else game.scripted_names)
+        game = game_of(info)  # the game's own players (None: the game was refused, and said so)
+        return v if game is None else canonical_partner(v, game.scripted_names)
 
     @field_validator("policy_seat")
     @classmethod

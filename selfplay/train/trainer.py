@@ -41,7 +41,10 @@ from selfplay.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
+
 CHECKPOINT_DIRNAME = "verl_checkpoint"
+
+
 METRICS_FILENAME = "metrics.json"
 
 
@@ -443,7 +446,7 @@ def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -
         )
         + "\n"
     )
-    from selfplay.model_card import write_card
+    from selfplay.train.model_card import write_card
 
     settings = cfg.model_dump(
         mode="json",
@@ -461,92 +464,6 @@ def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -
         },
         settings={**settings, "updates": result.updates},
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Behaviour cloning (selfplay sft): the same workers with verl's SFT loss
-
-
-@dataclass
-class SFTStepMetrics:
-    """One call of SFT updates (one or more optimizer updates, one per mini-batch)."""
-
-    step: int  # optimizer updates so far
-    epoch: int
-    rows: int
-    tokens: int  # all tokens of the rows (prompt and response)
-    trained_tokens: int  # mask-1 tokens, the ones the loss is on
-    loss: float  # mean negative log-likelihood per trained token, over the mini-batches
-    grad_norm: float
-    lr: float
-    time_s: float
-    tokens_per_s: float
-
-    def line(self, total: int) -> str:
-        return (
-            f"SFT update {self.step}/{total}: loss {self.loss:.4f}, "
-            f"grad_norm {self.grad_norm:.3f}, {self.tokens_per_s:.0f} tokens/s"
-        )
-
-
-def train_sft(
-    cfg: TrainConfig,
-    on_step: Callable[[SFTStepMetrics, int], None] | None = None,
-) -> TrainResult:
-    """Supervised fine-tuning on the mask-1 tokens of ``cfg.data`` (rows need no groups), through
-    the same verl workers as ``train`` with verl's SFT loss. ``batch_size`` rows go to the workers
-    at a time and each ``mini_batch_size`` of them is one optimizer update."""
-    return _publish(cfg, lambda staged: _train_sft(staged, on_step))
-
-
-def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:
-    rows, pad_id = load_rows(cfg, groups=False)
-    batch, mini, steps_per_epoch = batch_sizes(len(rows), cfg)
-    cfg = cfg.model_copy(update={"micro_batch_size": micro_batch(mini, cfg)})
-    updates_per_epoch = sum(
-        len(idx) // mini for idx in _chunks(len(rows), batch, mini, steps_per_epoch, 0, cfg.seed)
-    )
-    total = updates_per_epoch * cfg.epochs
-    log.info(
-        "SFT on %d rows: %d update(s) per epoch x %d epoch(s), mini-batch %d, micro %d",
-        len(rows),
-        updates_per_epoch,
-        cfg.epochs,
-        mini,
-        cfg.micro_batch_size,
-    )
-    from selfplay.train.workers import sft_inputs
-
-    def one(workers, epoch: int, idx: np.ndarray, step: int) -> tuple[SFTStepMetrics, int]:
-        t0 = time.perf_counter()
-        padded = collate(rows.select(idx), pad_id)
-        metrics = workers.update(sft_inputs(padded), mini, cfg.seed + step)
-        elapsed = time.perf_counter() - t0
-        tokens = int(padded["attention_mask"].sum())
-        sm = SFTStepMetrics(
-            step=step + len(idx) // mini,
-            epoch=epoch,
-            rows=len(idx),
-            tokens=tokens,
-            trained_tokens=int(padded["response_mask"].sum()),
-            loss=_mean(metrics, "loss") or 0.0,
-            grad_norm=_mean(metrics, "grad_norm") or 0.0,
-            lr=_mean(metrics, "lr") or cfg.lr,
-            time_s=elapsed,
-            tokens_per_s=tokens / max(elapsed, 1e-9),
-        )
-        return sm, len(idx) // mini
-
-    batches = (
-        (e, idx)
-        for e in range(cfg.epochs)
-        for idx in _chunks(len(rows), batch, mini, steps_per_epoch, e, cfg.seed)
-    )
-    result = _drive(
-        cfg, len(rows), total, batches, one, on_step, prepare=lambda w: w.use_sft_loss()
-    )
-    _export(cfg, result, [asdict(s) for s in result.steps], algorithm="sft")
-    return result
 
 
 def _chunks(n: int, batch: int, mini: int, steps: int, epoch: int, seed: int) -> list[np.ndarray]:

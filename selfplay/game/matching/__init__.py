@@ -7,7 +7,6 @@ A thin adapter: every member delegates to the rules in ``matching``, ``protocol`
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from selfplay.game.api import QuestionKind
 from selfplay.game.matching import prompts, questions
@@ -15,9 +14,7 @@ from selfplay.game.matching.rules import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, 
 from selfplay.game.matching.rules import generate_scenario as _generate_scenario
 from selfplay.game.matching.scripted import SCRIPTED_NAMES, make_scripted
 from selfplay.game.matching.turns import Game
-
-if TYPE_CHECKING:
-    from selfplay.players import Player
+from selfplay.seats import Player
 
 _MESSAGE_TAG = re.compile(r"^\s*\[message\]", re.IGNORECASE)
 

@@ -5,7 +5,7 @@ Players turn these strings into chat turns; the game itself only produces plain 
 
 from __future__ import annotations
 
-from selfplay.game.matching.rules import Scenario
+from selfplay.game.matching.rules import PAPERS, REVIEWERS, Scenario
 
 INSTRUCTIONS = """\
 You and your partner are area chairs for a conference. Together you must assign {n} reviewers to \
@@ -24,6 +24,20 @@ divided by the best possible, out of 1.0."""
 
 TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 YOU_START = "You start the conversation."
+
+
+def tokenizer_corpus() -> list[str]:
+    """Texts of this game for a test tokenizer (``models.build_tiny_model``): moves, rosters and
+    the instructions, so that the game's prompts take few tokens."""
+    return [
+        "[message] Hello partner, what do you know about Ava Li and BLEU?",
+        "[propose] Proposal:\nBLEU: Ava Li\nElectra: Daniel Nguyen\nGloVe: Sofia Patel",
+        "[accept] [reject] Partner: Error: Your proposal must start with 'Proposal:'",
+        "Reviewer Paper Similarity Scores: 0,1,2,3,4,5,6,7,8,9,10,120,345,,,",
+        *REVIEWERS,
+        *PAPERS,
+        *(INSTRUCTIONS.format(n=n) for n in range(3, 9)),
+    ]
 
 
 def intro(scenario: Scenario, seat: int) -> str:
