@@ -66,7 +66,9 @@ def main() -> int:
             if seat is None:
                 continue
             aligned &= len(seat.token_ids) == len(seat.mask) == len(seat.logprobs)
-            ids = torch.tensor([seat.token_ids], device=args.device)
+            if len(seat.token_ids) < 2:
+                continue
+            ids = torch.tensor([seat.token_ids], dtype=torch.long, device=args.device)
             with torch.no_grad():
                 logits = ref(ids).logits.float()
             lp = torch.log_softmax(logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
