@@ -9,10 +9,12 @@ error the user can fix (``UserError``) becomes one line and exit 1, in ``_App``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -110,6 +112,21 @@ def _engine(kind: str, url: str | None, opts: dict, model: str, **sglang):
     if kind == "sglang":
         return build(SGLANG, opts, model=model, url=url, **sglang)
     return engine_config_class(kind)(model=model)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM stops the command as Ctrl-C does (KeyboardInterrupt): what is finished is kept,
+    servers and stage processes are stopped, and the same command resumes."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def default_data_dir() -> Path:
@@ -256,20 +273,14 @@ def _eval_models(cfg) -> None:
 def _eval_scripted_pair(
     players: str, num_games: int, seed: int, table_size: int, max_actions: int, out: Path | None
 ) -> None:
-    from selfplay.evaluate.scripted import evaluate_scripted, scripted_table
-    from selfplay.game.matching.scripted import SCRIPTED_NAMES
+    from selfplay.evaluate.scripted import evaluate_scripted, scripted_pair, scripted_table
+    from selfplay.game import MATCHING
 
-    names = tuple(p.strip() for p in players.split(","))
-    if len(names) != 2 or any(n not in SCRIPTED_NAMES for n in names):
-        raise fail(
-            f"--players must be two of {', '.join(SCRIPTED_NAMES)} separated by a comma, "
-            f"got {players!r}"
-        )
+    names = scripted_pair(players, MATCHING.scripted_names)  # scripted pairs play matching
     summary = evaluate_scripted(
         names, num_games=num_games, seed=seed, n=table_size, max_actions=max_actions
     )
-    table = scripted_table(names, num_games, summary)
-    Console().print(table)
+    Console().print(scripted_table(names, num_games, summary))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=2) + "\n")
@@ -315,13 +326,8 @@ def train(
                 "generated with; pass --model"
             ) from None
     cfg = build(TRAIN, opts, data=data, model=resolve_model(model), out=out)
-    columns = (
-        TextColumn("[bold]train"),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
+    columns = (TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[info]}"))
+    with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("train", total=None, info="loading")
 
         def show(m, total: int) -> None:
@@ -379,8 +385,6 @@ def generate(
     """Play games through an engine (self-play or against --partner); append each finished game
     to OUT/games.jsonl. An openai partner's key comes from $OPENAI_API_KEY (or --partner-key-env);
     its answers are cached in OUT/partner_cache.jsonl."""
-    import signal
-
     from selfplay.generate.runner import RichProgress, run_generate, summary_table
     from selfplay.models import resolve_model
 
@@ -390,20 +394,15 @@ def generate(
     cfg = build(GENERATE, opts, out=out, model=model_path)
     engine_cfg = _engine(engine, engine_url, opts, model_path, log_path=str(out / "sglang.log"))
 
-    def on_sigterm(signum, frame):  # stop like Ctrl-C, so the engine server is shut down
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        result = run_generate(cfg, engine_cfg, progress=RichProgress(console))
+        with sigterm_as_interrupt():  # so the engine server is shut down
+            result = run_generate(cfg, engine_cfg, progress=RichProgress(console))
     except KeyboardInterrupt:
         console.print(
             f"[bold red]interrupted:[/] finished games are kept in {cfg.games_path}; "
             "re-run the same command to resume"
         )
         raise typer.Exit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     Console().print(summary_table(result))
 
 
@@ -471,7 +470,8 @@ def iterate_cmd(
         loggers=tuple(x for x in logger.split(",") if x.strip()),
     )
     try:
-        run = iterate(cfg, force=force)
+        with sigterm_as_interrupt():  # the stage's child is stopped too
+            run = iterate(cfg, force=force)
     except KeyboardInterrupt:
         console.print(
             f"[bold red]interrupted:[/] finished stages are kept in {cfg.run_dir}; re-run the "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
+from selfplay.evaluate.config import EvalError
 from selfplay.game.matching.scripted import make_scripted
 from selfplay.generate.rollout import (
     GameSpec,
@@ -14,8 +16,6 @@ from selfplay.generate.rollout import (
 )
 from selfplay.metrics import summarize
 from selfplay.records import GameRecord
-from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
-from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
 from selfplay.seeds import eval_scenario_seed
 
 
@@ -58,6 +58,16 @@ def evaluate_scripted(players: tuple[str, str], **kwargs) -> dict:
     """Summary (see metrics.summarize) of scripted games plus the pair that played them."""
     summary = summarize(play_scripted(players, **kwargs))
     return {"players": list(players), **kwargs, **summary.model_dump(exclude={"partner"})}
+
+
+def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
+    """``"cooperative,shy"`` -> the pair, seat 1 first; an ``EvalError`` naming ``names``."""
+    pair = tuple(p.strip() for p in text.split(","))
+    if len(pair) != 2 or any(n not in names for n in pair):
+        raise EvalError(
+            f"--players must be two of {', '.join(names)} separated by a comma, got {text!r}"
+        )
+    return pair[0], pair[1]
 
 
 def scripted_table(names: tuple[str, str], num_games: int, summary: dict):

@@ -1,5 +1,12 @@
 """A heavy stage in a spawned child process (``isolated``), its logging, progress lines and peak
 memory; the kill-test hook ``SELFPLAY_HOLD_BEFORE``.
+
+A stage dies with the loop that started it. The child watches its parent (``_watch_parent``):
+when the iterate process is gone (SIGKILL, a crash), the child stops its stage as SIGTERM would
+(``finally`` blocks run: an engine server is shut down, the folder lock released) and exits
+within ``PARENT_GRACE_S``. When the loop stops on purpose (Ctrl-C, SIGTERM, an error), it
+terminates the child before it returns. So no stage outlives the run, holds its lock, or trains
+into its folder beside a re-run.
 """
 
 from __future__ import annotations
@@ -8,6 +15,8 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +100,34 @@ def _child_logging(level: int) -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
+PARENT_GRACE_S = 20.0  # from the parent's death to the child's exit, at most (plus one poll)
+
+
+def _watch_parent(parent: int, poll_s: float = 0.5) -> None:
+    """In a stage's child: SIGTERM raises SystemExit (so the stage's cleanup runs), and a daemon
+    thread sends it when the parent ``parent`` is gone, then exits after ``PARENT_GRACE_S``."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.warning("the iterate process (pid %d) is gone: stopping this stage", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def _child_start(level: int, parent: int) -> None:
+    _child_logging(level)
+    _watch_parent(parent)
+
+
 def _measured(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     import resource
 
@@ -107,13 +144,22 @@ def isolated(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     the child's peak resident memory in MiB.
     """
     level = logging.getLogger().getEffectiveLevel()
-    with concurrent.futures.ProcessPoolExecutor(
+    pool = concurrent.futures.ProcessPoolExecutor(
         max_workers=1,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=_child_logging,
-        initargs=(level,),
-    ) as pool:
+        initializer=_child_start,
+        initargs=(level, os.getpid()),
+    )
+    try:
         return pool.submit(_measured, fn, *args).result()
+    except BaseException:
+        # interrupted (Ctrl-C, SIGTERM) or failed: the child must not finish the stage alone
+        for process in list(getattr(pool, "_processes", {}).values()):
+            if process.is_alive():
+                process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _rss_mb() -> float | None:
