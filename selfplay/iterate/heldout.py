@@ -14,8 +14,7 @@ from selfplay.game import MATCHING, get_game
 from selfplay.generate.config import PlayOptions
 from selfplay.iterate.child import _hold, isolated
 from selfplay.iterate.config import IterateConfig, IterateError, parse_warm_start
-from selfplay.iterate.resume import Run
-from selfplay.manifest import StageRecord
+from selfplay.manifest import Manifest, StageRecord
 from selfplay.metrics import HeldOut
 from selfplay.players.partners import PartnerOptions
 from selfplay.records import SamplingParams
@@ -62,38 +61,31 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
     }
 
 
-def warm_start(run: Run) -> str:
-    """The model round 0 starts from: the warm-start stage's (run or resumed) or the initial."""
-    cfg = run.config
-    if cfg.warm_start is None:
-        return cfg.model
+def warm_start_stage(cfg: IterateConfig) -> StageRecord:
+    """The warm start (before round 0): a model given as is, or behaviour cloning of a scripted
+    teacher (``scripted:NAME:GAMES``) in a child process."""
+    assert cfg.warm_start is not None
     if not cfg.warm_start.startswith("scripted:"):
-        if run.manifest.warm_start is None:
-            run.manifest.warm_start = StageRecord(
-                finished_at=time.time(), seconds=0.0, artifacts={"model": cfg.warm_start}
-            )
-            run.save()
-        return cfg.warm_start
-    if run.manifest.warm_start is None:
-        started = time.time()
-        out = cfg.warm_start_dir
-        if out.exists():  # a warm start killed mid-way: its output never counted
-            log.warning("removing the unfinished warm start %s", out)
-            shutil.rmtree(out)
-        _hold(cfg.run_dir, "warm_start")
-        log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
-        info, rss = isolated(_warm_start_sft, cfg)
-        from selfplay.train.model_card import annotate
-
-        annotate(out, name=f"{cfg.name} (warm start)")
-        run.manifest.warm_start = StageRecord(
-            finished_at=time.time(),
-            seconds=time.time() - started,
-            artifacts={"model": str(out)},
-            info={**info, "peak_rss_mb": rss},
+        return StageRecord(
+            finished_at=time.time(), seconds=0.0, artifacts={"model": cfg.warm_start}
         )
-        run.save()
-    return run.manifest.warm_start.artifacts["model"]
+    started = time.time()
+    out = cfg.warm_start_dir
+    if out.exists():  # a warm start killed mid-way: its output never counted
+        log.warning("removing the unfinished warm start %s", out)
+        shutil.rmtree(out)
+    _hold(cfg.run_dir, "warm_start")
+    log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
+    info, rss = isolated(_warm_start_sft, cfg)
+    from selfplay.train.model_card import annotate
+
+    annotate(out, name=f"{cfg.name} (warm start)")
+    return StageRecord(
+        finished_at=time.time(),
+        seconds=time.time() - started,
+        artifacts={"model": str(out)},
+        info={**info, "peak_rss_mb": rss},
+    )
 
 
 def _heldout_eval(
@@ -134,43 +126,43 @@ def _heldout_eval(
     return held(row), {r.name: held(r) for r in result.rows if r.kind == "baseline"}
 
 
-def heldout(run: Run, k: int, model: str) -> None:
-    """Evaluate the model that has had ``k`` rounds (once; a model a skipped round carried
-    forward keeps its result) and rewrite metrics.jsonl."""
-    cfg = run.config
-    held = run.manifest.heldout
-    if cfg.eval_scenarios == 0 or k in held:
-        return
-    if k > 0 and (k - 1) in held and held[k - 1].model == model:
-        held[k] = held[k - 1]
-    else:
-        log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
-        out = cfg.run_dir / "eval" / f"after_{k}_rounds"
-        (result, base), _ = isolated(_heldout_eval, cfg, model, out, not run.manifest.baselines)
-        held[k] = result
-        if base:
-            run.manifest.baselines = base
-        from selfplay.train.model_card import add_heldout
+def heldout_stage(
+    cfg: IterateConfig, k: int | None, model: str, manifest: Manifest
+) -> tuple[HeldOut, dict[str, HeldOut]] | None:
+    """The held-out result of ``model`` after ``k`` rounds (None: the initial model, before the
+    warm start) and the baselines when the run has none yet; None when there is nothing to do
+    (no held-out scenarios, or already evaluated). A model that a skipped round carried forward
+    keeps its result."""
+    held = manifest.heldout
+    if cfg.eval_scenarios == 0 or (k in held if k is not None else manifest.heldout_initial):
+        return None
+    if k and (k - 1) in held and held[k - 1].model == model:
+        return held[k - 1], {}
+    log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
+    out = cfg.run_dir / "eval" / ("initial" if k is None else f"after_{k}_rounds")
+    (result, base), _ = isolated(_heldout_eval, cfg, model, out, not manifest.baselines)
+    if k is None:
+        return result, base
+    from selfplay.train.model_card import add_heldout
 
-        add_heldout(
-            model,
-            {
-                "scenarios": cfg.eval_scenarios,
-                "table_size": cfg.table_size,
-                "eval_seed": cfg.eval_seed,
-                "partner": cfg.partner,
-                **result.model_dump(
-                    include={"reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate"}
-                ),
-            },
-        )
-        log.info(
-            "held-out after %d round(s): reward %.3f [%.3f, %.3f], agreement %.2f",
-            k,
-            result.reward_mean or 0.0,
-            result.reward_ci_low or 0.0,
-            result.reward_ci_high or 0.0,
-            result.agreement_rate or 0.0,
-        )
-    run.save()
-    run.write_metrics()
+    add_heldout(
+        model,
+        {
+            "scenarios": cfg.eval_scenarios,
+            "table_size": cfg.table_size,
+            "eval_seed": cfg.eval_seed,
+            "partner": cfg.partner,
+            **result.model_dump(
+                include={"reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate"}
+            ),
+        },
+    )
+    log.info(
+        "held-out after %d round(s): reward %.3f [%.3f, %.3f], agreement %.2f",
+        k,
+        result.reward_mean or 0.0,
+        result.reward_ci_low or 0.0,
+        result.reward_ci_high or 0.0,
+        result.agreement_rate or 0.0,
+    )
+    return result, base

@@ -24,12 +24,13 @@ from __future__ import annotations
 import logging
 
 from selfplay.fileio import folder_lock
-from selfplay.iterate.child import Generate, _default_generate, isolated
+from selfplay.iterate.child import Generate, _default_generate
 from selfplay.iterate.config import IterateConfig
-from selfplay.iterate.heldout import _heldout_eval, heldout, warm_start
+from selfplay.iterate.heldout import heldout_stage, warm_start_stage
 from selfplay.iterate.resume import Run
-from selfplay.iterate.stages import run_round
-from selfplay.iterate.track import track_round
+from selfplay.iterate.stages import next_model, prune_checkpoints, stages
+from selfplay.iterate.track import round_metrics, track_round
+from selfplay.tracking import open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +47,15 @@ def iterate(
 
 
 def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> Run:
-    run = Run(config, force=force)
-    if config.warm_start is not None and config.eval_scenarios and not run.manifest.heldout_initial:
-        out = config.run_dir / "eval" / "initial"
-        (run.manifest.heldout_initial, base), _ = isolated(
-            _heldout_eval, config, config.model, out, not run.manifest.baselines
-        )
-        run.manifest.baselines = run.manifest.baselines or base
-        run.save()
-    model = warm_start(run)
-    from selfplay.tracking import open_tracker
-
+    run = Run(config, force=force)  # the manifest: only this loop records into it
+    if config.warm_start is not None:
+        if (held := heldout_stage(config, None, config.model, run.manifest)) is not None:
+            run.record_heldout(None, *held)
+        if run.manifest.warm_start is None:
+            run.record_warm_start(warm_start_stage(config))
+        model = run.manifest.warm_start.artifacts["model"]
+    else:
+        model = config.model
     with open_tracker(
         config.loggers,
         project="selfplay",
@@ -65,9 +64,18 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
         config=config.model_dump(mode="json"),
     ) as tracker:
         for k in range(config.iterations):
-            heldout(run, k, model)
-            model = run_round(run, k, model, generate)
-            heldout(run, k + 1, model)
+            if (held := heldout_stage(config, k, model, run.manifest)) is not None:
+                run.record_heldout(k, *held)
+            rnd = run.start_round(k, model)
+            for name, stage in stages(generate):
+                if name not in rnd.stages:
+                    run.record(k, name, stage(config, k, model, rnd.stages))
+            prune_checkpoints(config, run.manifest)
+            if rnd.metrics is None:
+                run.record_round_metrics(k, round_metrics(rnd, config.round_dir(k) / "games.jsonl"))
+            model = next_model(rnd)
+            if (held := heldout_stage(config, k + 1, model, run.manifest)) is not None:
+                run.record_heldout(k + 1, *held)
             if tracker is not None:
                 track_round(run, tracker, k)
     log.info("run %s: %d round(s) done; latest model %s", config.name, config.iterations, model)

@@ -15,8 +15,8 @@ from pydantic import (
 )
 
 from selfplay.iterate.config import IterateConfig, IterateError, config_identity
-from selfplay.manifest import Manifest, StageRecord, read_manifest
-from selfplay.metrics import RoundMetrics
+from selfplay.manifest import Manifest, RoundRecord, StageRecord, read_manifest
+from selfplay.metrics import HeldOut, RoundMetrics
 from selfplay.train.model_card import git_commit
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,44 @@ class Run:
     def save(self) -> None:
         _atomic_write(self.path, orjson.dumps(self.manifest.model_dump(mode="json")))
 
-    def finish(self, k: int, stage: str, started: float, **fields) -> StageRecord:
-        rec = StageRecord(finished_at=time.time(), seconds=time.time() - started, **fields)
+    # What the loop records, each saved at once (the manifest is replaced atomically, so a kill
+    # anywhere leaves either the state before or after the record).
+
+    def start_round(self, k: int, model: str) -> RoundRecord:
+        """Round ``k``'s record (created for ``model``, or resumed: then it must match)."""
+        rnd = self.manifest.rounds.setdefault(k, RoundRecord(model=model))
+        if rnd.model != model:
+            raise IterateError(
+                f"round {k} was generated with {rnd.model}, but the previous round now gives "
+                f"{model}"
+            )
+        self.save()
+        return rnd
+
+    def record(self, k: int, stage: str, rec: StageRecord) -> None:
         self.manifest.rounds[k].stages[stage] = rec
         self.save()
-        return rec
+
+    def record_round_metrics(self, k: int, metrics: dict) -> None:
+        self.manifest.rounds[k].metrics = metrics
+        self.save()
+        self.write_metrics()
+
+    def record_warm_start(self, rec: StageRecord) -> None:
+        self.manifest.warm_start = rec
+        self.save()
+
+    def record_heldout(self, k: int | None, result: HeldOut, baselines: dict[str, HeldOut]) -> None:
+        """The held-out result of the model after ``k`` rounds (None: the initial model, before
+        the warm start), and the baselines when they were played with it."""
+        if k is None:
+            self.manifest.heldout_initial = result
+        else:
+            self.manifest.heldout[k] = result
+        if baselines:
+            self.manifest.baselines = baselines
+        self.save()
+        self.write_metrics()
 
     def write_metrics(self) -> None:
         """metrics.jsonl: per finished round its games' statistics, its training, and the

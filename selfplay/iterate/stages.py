@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,16 +15,14 @@ from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, conve
 from selfplay.engines import SGLangEngineConfig
 from selfplay.generate.config import GenerateConfig, GenerateOptions
 from selfplay.iterate.child import Generate, _default_generate, _hold, isolated
-from selfplay.iterate.config import IterateError
-from selfplay.iterate.resume import Run
-from selfplay.iterate.track import round_metrics
-from selfplay.manifest import RoundRecord
+from selfplay.iterate.config import IterateConfig
+from selfplay.manifest import Manifest, RoundRecord, StageRecord
 from selfplay.train.config import TrainConfig, TrainerOptions
 
 log = logging.getLogger(__name__)
 
 
-STAGES = ("generate", "convert", "train")
+STAGES = ("generate", "convert", "train")  # a round's stages, by name (see ``stages``)
 
 
 def _reload_attached(engine_cfg: SGLangEngineConfig, model: str) -> None:
@@ -42,139 +42,150 @@ def _reload_attached(engine_cfg: SGLangEngineConfig, model: str) -> None:
     asyncio.run(go())
 
 
-def run_round(run: Run, k: int, model: str, generate: Generate = _default_generate) -> str:
-    """Advance round ``k`` through its unfinished stages; return the next round's model."""
-    cfg = run.config
-    rnd = run.manifest.rounds.setdefault(k, RoundRecord(model=model))
-    if rnd.model != model:
-        raise IterateError(
-            f"round {k} was generated with {rnd.model}, but the previous round now gives {model}"
-        )
-    run.save()
+def _record(started: float, **fields) -> StageRecord:
+    return StageRecord(finished_at=time.time(), seconds=time.time() - started, **fields)
+
+
+def generate_stage(
+    cfg: IterateConfig,
+    k: int,
+    model: str,
+    done: dict[str, StageRecord],
+    generate: Generate = _default_generate,
+) -> StageRecord:
+    """Round ``k``'s games with ``model`` (resumes game by game), in a child process."""
+    started = time.time()
     rdir = cfg.round_dir(k)
     rdir.mkdir(parents=True, exist_ok=True)
-
-    if "generate" not in rnd.stages:
-        started = time.time()
-        engine_cfg = cfg.engine.model_copy(update={"model": model})
-        if isinstance(engine_cfg, SGLangEngineConfig) and engine_cfg.url and k > 0:
-            _reload_attached(engine_cfg, model)
-        gen_cfg = GenerateConfig(
-            out=rdir,
-            num_games=cfg.games_per_iter,
-            model=model,
-            games_per_scenario=cfg.games_per_scenario,
-            round=k,
-            **cfg.model_dump(include=set(GenerateOptions.model_fields)),
-        )
-        log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
-        info = {}
-        if generate is _default_generate:
-            _, info["peak_rss_mb"] = isolated(generate, gen_cfg, engine_cfg)
-        else:  # a caller's own function (tests) runs here
-            generate(gen_cfg, engine_cfg)
-        run.finish(k, "generate", started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
-
-    if "convert" not in rnd.stages:
-        started = time.time()
-        _hold(cfg.run_dir, "convert")
-        conv_cfg = ConvertConfig(
-            games=rdir / "games.jsonl",
-            out=rdir,
-            **cfg.model_dump(include=set(ConvertOptions.model_fields)),
-        )
-        try:
-            summary = convert(conv_cfg)
-        except NoSignalError as e:
-            log.warning("round %d: %s; skipping the update, the model carries forward", k, e)
-            run.finish(k, "convert", started, skip_reason=str(e))
-        else:
-            flat = summary.groups_train_with_signal == 0
-            run.finish(
-                k,
-                "convert",
-                started,
-                # --keep-degenerate with only equal-reward groups: rows written, nothing to learn
-                skip_reason="every kept group has equal rewards (advantage 0)" if flat else None,
-                artifacts={"train": summary.train_path, "val": summary.val_path},
-                info={
-                    "rows_train": summary.rows_train,
-                    "rows_written": summary.rows_written,
-                    "groups_written": summary.groups_written,
-                    "groups_degenerate_dropped": summary.groups_degenerate_dropped,
-                },
-            )
-
-    if "train" not in rnd.stages:
-        started = time.time()
-        _hold(cfg.run_dir, "train")
-        skip = rnd.stages["convert"].skip_reason
-        if skip:
-            run.finish(k, "train", started, skip_reason="no training signal", info={})
-        else:
-            out = cfg.checkpoint_dir(k)
-            if out.exists():  # a train killed mid-way: its output never counted
-                log.warning("round %d: removing the unfinished checkpoint %s", k, out)
-                shutil.rmtree(out)
-            options = cfg.train.model_dump(include=set(TrainerOptions.model_fields))
-            options["save_verl_checkpoint"] = cfg.train.keep_checkpoints != "none"
-            if options["mini_batch_size"] is None and options["batch_size"] is None:
-                rows = rnd.stages["convert"].info.get("rows_train", 0)
-                micro = cfg.train.micro_batch_size
-                # whole micro-batches per update (a mini-batch of 5 would force micro-batches of 1)
-                per_update = rows // cfg.train.updates_per_round
-                options["mini_batch_size"] = max(min(micro, rows), per_update // micro * micro)
-            tcfg = TrainConfig(
-                data=Path(rnd.stages["convert"].artifacts["train"]),
-                model=model,
-                out=out,
-                epochs=cfg.epochs_per_iter,
-                seed=cfg.seed + k,
-                max_length=cfg.max_length,
-                **options,
-            )
-            log.info("round %d: training on %s", k, tcfg.data)
-            result, rss = isolated(_train, tcfg)
-            from selfplay.train.model_card import annotate
-
-            annotate(out, name=cfg.name, round=k)
-            run.finish(
-                k,
-                "train",
-                started,
-                artifacts={"model": str(result.model_dir), "metrics": str(result.metrics_path)},
-                info={
-                    **_train_info(result.steps),
-                    "updates": result.updates,
-                    "peak_rss_mb": rss,
-                },
-            )
-
-    prune_checkpoints(run)
-    if rnd.metrics is None:
-        rnd.metrics = round_metrics(rnd, rdir / "games.jsonl")
-        run.save()
-        run.write_metrics()
-    return rnd.stages["train"].artifacts.get("model", model)
+    engine_cfg = cfg.engine.model_copy(update={"model": model})
+    if isinstance(engine_cfg, SGLangEngineConfig) and engine_cfg.url and k > 0:
+        _reload_attached(engine_cfg, model)
+    gen_cfg = GenerateConfig(
+        out=rdir,
+        num_games=cfg.games_per_iter,
+        model=model,
+        games_per_scenario=cfg.games_per_scenario,
+        round=k,
+        **cfg.model_dump(include=set(GenerateOptions.model_fields)),
+    )
+    log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
+    info = {}
+    if generate is _default_generate:
+        _, info["peak_rss_mb"] = isolated(generate, gen_cfg, engine_cfg)
+    else:  # a caller's own function (tests) runs here
+        generate(gen_cfg, engine_cfg)
+    return _record(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
 
 
-def prune_checkpoints(run: Run) -> list[Path]:
+def convert_stage(
+    cfg: IterateConfig, k: int, model: str, done: dict[str, StageRecord]
+) -> StageRecord:
+    """Round ``k``'s games -> its training rows; skipped (with the reason) when no group has a
+    signal."""
+    started = time.time()
+    _hold(cfg.run_dir, "convert")
+    rdir = cfg.round_dir(k)
+    conv_cfg = ConvertConfig(
+        games=rdir / "games.jsonl",
+        out=rdir,
+        **cfg.model_dump(include=set(ConvertOptions.model_fields)),
+    )
+    try:
+        summary = convert(conv_cfg)
+    except NoSignalError as e:
+        log.warning("round %d: %s; skipping the update, the model carries forward", k, e)
+        return _record(started, skip_reason=str(e))
+    flat = summary.groups_train_with_signal == 0
+    return _record(
+        started,
+        # --keep-degenerate with only equal-reward groups: rows written, nothing to learn
+        skip_reason="every kept group has equal rewards (advantage 0)" if flat else None,
+        artifacts={"train": summary.train_path, "val": summary.val_path},
+        info={
+            "rows_train": summary.rows_train,
+            "rows_written": summary.rows_written,
+            "groups_written": summary.groups_written,
+            "groups_degenerate_dropped": summary.groups_degenerate_dropped,
+        },
+    )
+
+
+def train_stage(
+    cfg: IterateConfig, k: int, model: str, done: dict[str, StageRecord]
+) -> StageRecord:
+    """GRPO on round ``k``'s rows from ``model`` into ``checkpoint_dir(k)``, in a child."""
+    started = time.time()
+    _hold(cfg.run_dir, "train")
+    if done["convert"].skip_reason:
+        return _record(started, skip_reason="no training signal", info={})
+    out = cfg.checkpoint_dir(k)
+    if out.exists():  # a train killed mid-way: its output never counted
+        log.warning("round %d: removing the unfinished checkpoint %s", k, out)
+        shutil.rmtree(out)
+    options = cfg.train.model_dump(include=set(TrainerOptions.model_fields))
+    options["save_verl_checkpoint"] = cfg.train.keep_checkpoints != "none"
+    if options["mini_batch_size"] is None and options["batch_size"] is None:
+        rows = done["convert"].info.get("rows_train", 0)
+        micro = cfg.train.micro_batch_size
+        # whole micro-batches per update (a mini-batch of 5 would force micro-batches of 1)
+        per_update = rows // cfg.train.updates_per_round
+        options["mini_batch_size"] = max(min(micro, rows), per_update // micro * micro)
+    tcfg = TrainConfig(
+        data=Path(done["convert"].artifacts["train"]),
+        model=model,
+        out=out,
+        epochs=cfg.epochs_per_iter,
+        seed=cfg.seed + k,
+        max_length=cfg.max_length,
+        **options,
+    )
+    log.info("round %d: training on %s", k, tcfg.data)
+    result, rss = isolated(_train, tcfg)
+    from selfplay.train.model_card import annotate
+
+    annotate(out, name=cfg.name, round=k)
+    return _record(
+        started,
+        artifacts={"model": str(result.model_dir), "metrics": str(result.metrics_path)},
+        info={**_train_info(result.steps), "updates": result.updates, "peak_rss_mb": rss},
+    )
+
+
+Stage = Callable[[IterateConfig, int, str, dict[str, StageRecord]], StageRecord]
+
+
+def stages(generate: Generate = _default_generate) -> tuple[tuple[str, Stage], ...]:
+    """A round's stages in order: each takes (config, round, model, the round's finished
+    stages) and returns its record; the loop records it (and nothing else writes the manifest)."""
+    return (
+        ("generate", functools.partial(generate_stage, generate=generate)),
+        ("convert", convert_stage),
+        ("train", train_stage),
+    )
+
+
+def next_model(rnd: RoundRecord) -> str:
+    """The model a finished round hands on: its trained checkpoint, or the one it started from."""
+    return rnd.stages["train"].artifacts.get("model", rnd.model)
+
+
+def prune_checkpoints(cfg: IterateConfig, manifest: Manifest) -> list[Path]:
     """Remove the verl checkpoints ``--keep-checkpoints`` does not keep (none: every one; last:
     all but the newest trained round's); return the folders removed. HF models stay."""
     from selfplay.train.trainer import CHECKPOINT_DIRNAME
 
-    keep = run.config.train.keep_checkpoints
+    keep = cfg.train.keep_checkpoints
     if keep == "all":
         return []
     trained = sorted(
         k
-        for k, r in run.manifest.rounds.items()
+        for k, r in manifest.rounds.items()
         if "train" in r.stages and not r.stages["train"].skip_reason
     )
     kept = set(trained[-1:]) if keep == "last" else set()
     removed = []
     for k in trained:
-        path = run.config.checkpoint_dir(k) / CHECKPOINT_DIRNAME
+        path = cfg.checkpoint_dir(k) / CHECKPOINT_DIRNAME
         if k not in kept and path.exists():
             shutil.rmtree(path)
             removed.append(path)

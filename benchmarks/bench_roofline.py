@@ -1,0 +1,227 @@
+"""Roofline of this CPU for SmolLM2-135M: matmul GFLOP/s at the model's shapes, the tokens/s limit
+that follows, and (optionally) the measured tokens/s of the real stages against that limit.
+
+1. Matmul GFLOP/s (torch.matmul, fp32 and/or bf16 tensors, median of --repeats after --warmup) at
+   the model's shapes for --tokens rows (512: prefill/training-like): the attention projections
+   (576x576 for q and o, 576x192 for k and v), the MLP (576x1536 gate/up, 1536x576 down) and the
+   lm head (576x49152). The effective GFLOP/s of a forward pass weights each shape by its FLOPs
+   (per layer x 30 layers, lm head once): total FLOPs / sum(FLOPs / rate).
+2. The tokens/s limit = effective GFLOP/s / FLOPs per token, with forward FLOPs per token
+   = 2 x non-embedding params + 2 x 576 x 49152 (lm head; attention scores are left out) and
+   factor 1 for generation, 3 for an SFT step (forward + backward), 4 for a GRPO step (old
+   log-prob forward + forward + backward). Decoding one token at a time is memory-bound, so the
+   generate limit is an upper bound that a small batch does not reach.
+3. --stages (minutes): tokens/s of the real stages on the embedded SmolLM2-135M, as a ratio of the
+   limit (target 0.6): generate (hf engine, prompt tokens prefilled + generated tokens), SFT
+   (benchmarks/bench_sft.py, verl) and the train update (benchmarks/bench_train.py, verl). They
+   run in --dtype, or with --dtype both in the dtype `resolve_dtype("auto", "cpu")` picks.
+
+Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
+     [--tokens 512] [--repeats 10] [--stages]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from selfplay.hardware import cpu_flags, resolve_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
+KV = 192  # 3 kv heads x head dim 64
+# (name, k, n, matmuls per forward pass)
+SHAPES = [
+    ("attn q/o", HIDDEN, HIDDEN, 2 * LAYERS),
+    ("attn k/v", HIDDEN, KV, 2 * LAYERS),
+    ("mlp gate/up", HIDDEN, INTER, 2 * LAYERS),
+    ("mlp down", INTER, HIDDEN, LAYERS),
+    ("lm head", HIDDEN, VOCAB, 1),
+]
+FWD_FLOPS_PER_TOKEN = sum(2 * k * n * count for _, k, n, count in SHAPES)
+FACTORS = {"generate": 1, "SFT step": 3, "GRPO step": 4}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TARGET = 0.6
+BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def matmul_gflops(tokens: int, k: int, n: int, dtype, warmup: int, repeats: int) -> float:
+    a, b = torch.randn(tokens, k).to(dtype), torch.randn(k, n).to(dtype)
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return 2 * tokens * k * n / statistics.median(times) / 1e9
+
+
+def effective_gflops(rates: dict[str, float]) -> float:
+    """FLOP-weighted rate of a forward pass: total FLOPs / time spent at each shape's rate."""
+    seconds = sum(2 * k * n * count / rates[name] for name, k, n, count in SHAPES)
+    return FWD_FLOPS_PER_TOKEN / seconds
+
+
+def limit_tokens_per_s(gflops: float, factor: int) -> float:
+    return gflops * 1e9 / (FWD_FLOPS_PER_TOKEN * factor)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return "unknown"
+
+
+def stage_generate(model: str, dtype: str, tmp: Path) -> tuple[float, str]:
+    """tokens/s through the model (prefilled prompt tokens + generated tokens) of a short run."""
+    from selfplay.engines import HFEngineConfig, open_engine
+    from selfplay.generate.config import GenerateConfig
+    from selfplay.generate.runner import generate_games
+    from selfplay.players.llm import load_chat_format
+    from selfplay.seats import SamplingParams
+
+    cfg = GenerateConfig(
+        out=tmp / "generate", num_games=12, model=model, table_size=3, games_per_scenario=4,
+        max_actions=10, sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
+    )  # fmt: skip
+    engine = open_engine(HFEngineConfig(model=model, device="cpu", dtype=dtype))
+
+    async def go():
+        try:
+            await engine.start()
+            return await generate_games(cfg, engine, load_chat_format(model))
+        finally:
+            await engine.aclose()
+
+    st = asyncio.run(go()).stats
+    tokens = engine.prefilled_tokens + engine.generated_tokens
+    note = (
+        f"{engine.prefilled_tokens} prefilled + {engine.generated_tokens} generated tokens, "
+        f"{st.played} games in {st.seconds:.1f} s, {torch.get_num_threads()} engine threads"
+    )
+    return tokens / st.seconds, note
+
+
+def stage_script(cmd: list[str], pattern: str) -> float | None:
+    """Run a benchmark script; the tokens/s its output matches with ``pattern`` (None: failed)."""
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT)
+    match = re.search(pattern, out.stdout)
+    if out.returncode != 0 or match is None:
+        sys.stderr.write(out.stderr[-2000:])
+        return None
+    return float(match.group(1).replace(",", ""))
+
+
+def run_stages(dtype: str, gflops: float) -> Table:
+    from selfplay.models import embedded_model_dir
+
+    model = str(embedded_model_dir())
+    table = Table(title=f"measured stages, SmolLM2-135M, {dtype}, vs the {dtype} limit")
+    for col in ("stage", "tokens/s", "limit tokens/s", "measured / limit", "target", "notes"):
+        table.add_column(col, justify="left" if col in ("stage", "notes") else "right")
+    with tempfile.TemporaryDirectory(prefix="bench_roofline_") as tmp:
+        gen, note = stage_generate(model, dtype, Path(tmp))
+    sft = stage_script(
+        ["benchmarks/bench_sft.py", "--rows", "8", "--only", f"verl-{dtype}"],
+        rf"verl-{dtype}: (\d+) tokens/s",
+    )
+    train = stage_script(
+        ["benchmarks/bench_train.py", "--model", model, "--rows", "8", "--micro", "4",
+         "--repeats", "1", "--dtype", dtype],
+        r"\| verl update \(selfplay\) \| [\d.]+ \| ([\d,]+) \|",
+    )  # fmt: skip
+    rows = [
+        ("generate (hf engine)", gen, FACTORS["generate"], note),
+        ("SFT step (verl)", sft, FACTORS["SFT step"], "bench_sft.py --rows 8"),
+        # bench_train times the update only (forward + backward): old log-probs are not timed
+        ("train update (verl)", train, FACTORS["SFT step"], "bench_train.py --rows 8, fwd+bwd"),
+    ]
+    for name, measured, factor, note in rows:
+        limit = limit_tokens_per_s(gflops, factor)
+        if measured is None:
+            table.add_row(name, "failed", f"{limit:,.0f}", "-", f"{TARGET}", f"see {note}")
+        else:
+            ratio = f"{measured / limit:.2f}"
+            table.add_row(name, f"{measured:,.0f}", f"{limit:,.0f}", ratio, f"{TARGET}", note)
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--tokens", type=int, default=512, help="rows of each matmul")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--stages", action="store_true", help="also time the real stages (minutes)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
+    console = Console()
+
+    flags = cpu_flags()
+    console.print(f"CPU: {cpu_name()}")
+    console.print("flags: " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_FLAGS))
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    threads = torch.get_num_threads()
+    console.print(f"torch threads: {threads} of {os.cpu_count()} cores, load average {load}")
+    console.print(f'resolve_dtype("auto", "cpu") -> {resolve_dtype("auto", "cpu")}')
+    console.print(f"forward FLOPs per token: {FWD_FLOPS_PER_TOKEN / 1e6:.1f} M")
+
+    rates = {d: {} for d in dtypes}
+    for dtype in dtypes:
+        for name, k, n, _ in SHAPES:
+            rates[dtype][name] = matmul_gflops(
+                args.tokens, k, n, DTYPES[dtype], args.warmup, args.repeats
+            )
+    effective = {d: effective_gflops(rates[d]) for d in dtypes}
+
+    table = Table(title=f"matmul GFLOP/s, {args.tokens} tokens, {torch.get_num_threads()} threads")
+    table.add_column("shape")
+    table.add_column("per forward", justify="right")
+    table.add_column("share of FLOPs", justify="right")
+    for dtype in dtypes:
+        table.add_column(f"{dtype} GFLOP/s", justify="right")
+    for name, k, n, count in SHAPES:
+        share = 2 * k * n * count / FWD_FLOPS_PER_TOKEN
+        cells = [f"{rates[d][name]:.1f}" for d in dtypes]
+        table.add_row(f"{name} ({k}x{n})", f"{count}", f"{share:.1%}", *cells)
+    table.add_row("effective (FLOP-weighted)", "", "100%", *[f"{effective[d]:.1f}" for d in dtypes])
+    console.print(table)
+
+    limits = Table(title="tokens/s limit = effective GFLOP/s / (fwd FLOPs/token x factor)")
+    limits.add_column("stage")
+    limits.add_column("factor", justify="right")
+    for dtype in dtypes:
+        limits.add_column(f"{dtype} tokens/s", justify="right")
+    for stage, factor in FACTORS.items():
+        cells = [f"{limit_tokens_per_s(effective[d], factor):,.0f}" for d in dtypes]
+        limits.add_row(stage, f"{factor}x forward", *cells)
+    console.print(limits)
+
+    if args.stages:
+        dtype = resolve_dtype("auto", "cpu") if args.dtype == "both" else args.dtype
+        console.print(run_stages(dtype, effective[dtype]))
+    else:
+        console.print("stages not run (--stages); see also bench_sft.py / bench_train.py")
+
+
+if __name__ == "__main__":
+    main()
