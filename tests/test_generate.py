@@ -18,7 +18,8 @@ from selfplay.game.api import Outcome
 from selfplay.game.matching.rules import format_proposal
 from selfplay.game.matching.turns import PROPOSAL_CHOICES
 from selfplay.generate.config import GenerateConfig
-from selfplay.generate.runner import OutputMismatch, generate_games, plan_games, run_generate
+from selfplay.generate.output import OutputMismatch, plan_games
+from selfplay.generate.runner import generate_games, run_generate
 from selfplay.metrics import summarize
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records

@@ -24,7 +24,8 @@ from selfplay.game.api import Outcome
 from selfplay.game.matching.rules import format_proposal
 from selfplay.game.matching.turns import PROPOSAL_CHOICES
 from selfplay.generate.config import GenerateConfig
-from selfplay.generate.runner import OutputMismatch, generate_games, partner_config
+from selfplay.generate.output import OutputMismatch
+from selfplay.generate.runner import generate_games, partner_config
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.iterate.loop import iterate
 from selfplay.iterate.resume import Run

@@ -12,6 +12,7 @@ from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
 from selfplay.evaluate.config import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
 from selfplay.game.matching.scripted import make_scripted
 from selfplay.generate.config import GenerateConfig
+from selfplay.generate.output import plan_games
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -23,7 +24,6 @@ from selfplay.generate.rollout import (
     seating,
     training_plan,
 )
-from selfplay.generate.runner import plan_games
 from selfplay.metrics import summarize
 from selfplay.players.partners import OpenAIPartner, ScriptedPartner
 
@@ -33,17 +33,15 @@ from selfplay.players.partners import OpenAIPartner, ScriptedPartner
 def test_seed_formulas_and_plans_are_pinned():
     """Values made by the formulas of runner.py / evaluate.py before selfplay.seeds existed."""
     from selfplay import seeds
-    from selfplay.generate import runner
 
-    assert runner.scenario_seed(0, 0, 0) == 5918759735706020762
-    assert runner.scenario_seed(3, 2, 5) == 17516875071935976220
-    assert runner.game_seed(0, 0, 0, 0) == 8047175967907551869
-    assert runner.game_seed(3, 2, 5, 1) == 3585571055588808721
+    assert seeds.scenario_seed(0, 0, 0) == 5918759735706020762
+    assert seeds.scenario_seed(3, 2, 5) == 17516875071935976220
+    assert seeds.game_seed(0, 0, 0, 0) == 8047175967907551869
+    assert seeds.game_seed(3, 2, 5, 1) == 3585571055588808721
     assert seeds.eval_scenario_seed(7, 0) == 16365312898935196221
     assert seeds.eval_scenario_seed(7, 4) == 9116695980741364993
     assert seeds.eval_game_seed(7, 0, 0) == 3204394615972970535
     assert seeds.eval_game_seed(7, 4, 1) == 4197812042613604998
-    assert runner.scenario_seed is seeds.scenario_seed
     cfg = GenerateConfig(out="x", num_games=3, model="m", games_per_scenario=2, seed=3, round=2)
     assert [(s.game_id, s.seed) for s in plan_games(cfg)] == [
         ("r2-s4957054257163939580-g0", 2622793108034077445),

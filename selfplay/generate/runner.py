@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import math
 import time
@@ -40,10 +39,16 @@ from typing import Protocol
 import orjson
 
 from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
-from selfplay.errors import UserError
 from selfplay.fileio import folder_lock
 from selfplay.game import get_game
 from selfplay.generate.config import GenerateConfig
+from selfplay.generate.output import (
+    _Writer,
+    plan_games,
+    prepare_output,
+    record_options,
+    write_in_plan_order,
+)
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -51,7 +56,6 @@ from selfplay.generate.rollout import (
     llm_seat,
     play_many,
     seating,
-    training_plan,
 )
 from selfplay.metrics import GameSummary, Summary
 from selfplay.players.api import (
@@ -62,79 +66,9 @@ from selfplay.players.api import (
     open_partner_client,
 )
 from selfplay.players.llm import ChatFormat, load_chat_format
-from selfplay.records import GameRecord, append_records, repair_jsonl_tail
-from selfplay.seeds import TRAIN_SPACE as TRAIN_SPACE  # re-exports: the training seed space
-from selfplay.seeds import game_seed as game_seed  # lived here before selfplay.seeds
-from selfplay.seeds import scenario_seed as scenario_seed
+from selfplay.records import GameRecord
 
 log = logging.getLogger(__name__)
-
-
-class OutputMismatch(UserError, ValueError):
-    """OUT already holds games planned with other options."""
-
-
-def plan_games(config: GenerateConfig) -> Iterator[GameSpec]:
-    """The run's games in order: scenario 0's K games, scenario 1's, ... (lazy)."""
-    return training_plan(config.seed, config.round, config.num_games, config.games_per_scenario)
-
-
-# ---------------------------------------------------------------------------------------------
-# Output folder: snapshot, resume
-
-
-def prepare_output(config: GenerateConfig, *, record: bool = True) -> dict[str, float]:
-    """Create OUT, check generate.json (and write it, with ``record``), repair a torn tail;
-    return {game_id: reward}. ``run_generate`` records the options only once the engine has
-    started, so a typo (a model that does not load) does not tie the folder to its options."""
-    config.out.mkdir(parents=True, exist_ok=True)
-    snap = config.snapshot_path
-    identity = config.identity()
-    if snap.exists():
-        old = json.loads(snap.read_text()).get("identity", {})
-        diff = {k: (old.get(k), v) for k, v in identity.items() if old.get(k) != v}
-        if diff:
-            detail = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise OutputMismatch(
-                f"{config.out} holds games generated with other options ({detail}). Re-run with "
-                "the same options to resume, or choose another --out"
-            )
-    elif record:
-        record_options(config)
-    repair_jsonl_tail(config.games_path)  # logs a warning when it drops a torn line
-    return scan_games(config.games_path)
-
-
-def record_options(config: GenerateConfig) -> None:
-    """Write OUT/generate.json: the options that decide which games the folder holds."""
-    snap = config.snapshot_path
-    if not snap.exists():
-        tmp = snap.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"identity": config.identity()}, indent=2) + "\n")
-        tmp.replace(snap)
-
-
-def scan_games(path: Path) -> dict[str, float]:
-    """{game_id: reward} of the complete records in a games.jsonl (corrupt lines are skipped)."""
-    found: dict[str, float] = {}
-    if not path.exists():
-        return found
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = orjson.loads(line)
-                found[obj["game_id"]] = float(obj["reward"])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                log.warning(
-                    "%s:%d: skipping a corrupt line (the game will be played again)", path, lineno
-                )
-    return found
-
-
-# ---------------------------------------------------------------------------------------------
-# Progress
 
 
 @dataclass
@@ -223,54 +157,11 @@ class RichProgress:
         self._bar.stop()
 
 
-# ---------------------------------------------------------------------------------------------
-# Playing
-
-
 @dataclass
 class GenerateResult:
     path: Path
     stats: RunStats
     summary: dict
-
-
-class _Writer:
-    """Appends finished records; games that finish together share one write and fsync."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._buffer: list[GameRecord] = []
-        self._wake = asyncio.Event()
-        self._closing = False
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="games-writer")
-
-    def put(self, record: GameRecord) -> None:
-        self._buffer.append(record)
-        self._wake.set()
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._buffer:
-                batch, self._buffer = self._buffer, []
-                await asyncio.to_thread(append_records, self.path, batch)
-            if self._closing:
-                return
-
-    async def close(self) -> None:
-        """Write everything buffered, even while the caller is being cancelled."""
-        self._closing = True
-        self._wake.set()
-        try:
-            await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            await self._task  # finish the write in progress before leaving
-            raise
-        finally:
-            if self._buffer:  # the writer died; never lose a finished game
-                append_records(self.path, self._buffer)
-                self._buffer = []
 
 
 def generate_seating(
@@ -350,8 +241,8 @@ async def generate_games(
         if progress:
             progress.update(stats)
 
-    try:
-        await play_many(
+    play = asyncio.ensure_future(
+        play_many(
             (s for s in plan_games(config) if s.game_id not in existing),
             seats,
             scenarios,
@@ -362,6 +253,14 @@ async def generate_games(
             max_invalid=config.max_invalid,
             on_game=finished,
         )
+    )
+    writer.on_error = play.cancel  # a game that cannot be written stops them all at once
+    try:
+        try:
+            await play
+        except asyncio.CancelledError:
+            if writer.error is None:
+                raise
     except EngineFailure as e:
         fix = (
             "re-run with a higher --partner-max-calls"
@@ -382,6 +281,8 @@ async def generate_games(
         stats.seconds = time.perf_counter() - stats.started
         if progress:
             progress.stop(stats)
+    if writer.error is not None:
+        raise writer.failure()
     for record in _summary_records(config.games_path, kept_ids):
         summary.add(record)
     result = summary.result()
@@ -430,7 +331,7 @@ async def _run_generate_locked(
     try:
         await engine.start()
         record_options(config)  # the run has really started: the folder now holds its games
-        return await generate_games(
+        result = await generate_games(
             config,
             engine,
             chat,
@@ -438,6 +339,8 @@ async def _run_generate_locked(
             progress=progress,
             partner_client=partner_client,
         )
+        await asyncio.to_thread(write_in_plan_order, config)
+        return result
     finally:
         try:
             await engine.aclose()
