@@ -59,8 +59,11 @@ class _App(typer.Typer):
                     return fn(*a, **kw)
                 except UserError as e:
                     raise fail(str(e)) from None
-                except (typer.Exit, typer.Abort, KeyboardInterrupt):
+                except (typer.Exit, typer.Abort):
                     raise
+                except KeyboardInterrupt:  # generate and iterate say what they kept first
+                    console.print("[bold red]interrupted:[/] nothing half-written was kept")
+                    raise typer.Exit(130) from None
                 except Exception as e:
                     if logging.getLogger().isEnabledFor(logging.DEBUG):
                         raise
@@ -118,11 +121,7 @@ def _engine(kind: str, url: str | None, opts: dict, model: str, **sglang):
 def sigterm_as_interrupt():
     """SIGTERM stops the command as Ctrl-C does (KeyboardInterrupt): what is finished is kept,
     servers and stage processes are stopped, and the same command resumes."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
     try:
         yield
     finally:
@@ -130,8 +129,7 @@ def sigterm_as_interrupt():
 
 
 def default_data_dir() -> Path:
-    """The folder `selfplay generate` writes by default: data/$EXP_NAME, else data/generate
-    (convert and train read it when given no paths)."""
+    """generate's default folder (convert's, train's): data/$EXP_NAME, else data/generate."""
     return Path("data") / (os.environ.get("EXP_NAME") or "generate")
 
 
@@ -200,8 +198,10 @@ def eval_cmd(
 
     names = [m.strip() for item in models for m in item.split(",") if m.strip()]
     if not names and run is None:
-        if num_scenarios is not None or opts["cross_play"] or opts["partner"] is not None:
-            raise fail("--num-scenarios, --partner and --cross-play need --models or --run")
+        if num_scenarios or baselines or opts["cross_play"] or opts["partner"] is not None:
+            raise fail(
+                "--num-scenarios, --partner, --baselines and --cross-play need --models or --run"
+            )
         pair = players or "cooperative,cooperative"
         seed, n, max_actions = opts["seed"], opts["table_size"], opts["max_actions"]
         _eval_scripted_pair(pair, num_games or 200, seed, n, max_actions, out)

@@ -1,10 +1,16 @@
-"""One writer per output folder: an advisory lock file that names its holder.
+"""Writing files safely: one writer per output folder, and files replaced whole or not at all.
+
+``atomic_write(path, data)`` writes a sibling temporary file, fsyncs it and renames it over
+``path``, so a reader (or a resume after a crash) sees the old file or the new one, never half of
+one; a failed write leaves no temporary file behind. Every single-file writer of the project
+(manifest, metrics, eval.json, generate.json, model cards, config.json) goes through it.
 
 ``folder_lock(folder, what)`` holds ``FOLDER/.selfplay.lock`` (``fcntl.flock``) while a command
-writes there, and writes the holder's pid, command and start time into it. A second writer is
-refused at once with ``FolderBusy`` naming the holder. The kernel drops the lock when its holder
-exits, however it exits (``kill -9`` included), so the lock of a dead process is taken over
-without any clean-up: the file may stay behind, its lock does not.
+writes there (``output_lock(out, what)``: ``.NAME.lock`` beside an output folder that is made
+only at the end, a trained model's), and writes the holder's pid, command and start time into
+it. A second writer is refused at once with ``FolderBusy`` naming the holder. The kernel drops
+the lock when its holder exits, however it exits (``kill -9`` included), so the lock of a dead
+process is taken over without any clean-up: the file may stay behind, its lock does not.
 """
 
 from __future__ import annotations
@@ -30,7 +36,22 @@ def folder_lock(folder: Path, what: str) -> Iterator[None]:
     """Hold the folder's lock for the duration of the block (creates the folder)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_NAME
+    with _locked(folder / LOCK_NAME, str(folder), what):
+        yield
+
+
+@contextlib.contextmanager
+def output_lock(out: Path, what: str) -> Iterator[None]:
+    """Hold the lock of an output that is only created at the end (a trained model's folder):
+    ``.NAME.lock`` beside it, so that a second writer into the same ``out`` is refused at once."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out.parent / f".{out.name}.lock", str(out), what):
+        yield
+
+
+@contextlib.contextmanager
+def _locked(path: Path, name: str, what: str) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -38,7 +59,7 @@ def folder_lock(folder: Path, what: str) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 1024, 0).decode(errors="replace").strip() or "another process"
             raise FolderBusy(
-                f"{folder} is in use by {holder}; wait for it to finish or stop it (two writers "
+                f"{name} is in use by {holder}; wait for it to finish or stop it (two writers "
                 "would write the same games or checkpoints twice), or choose another output"
             ) from None
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -47,3 +68,18 @@ def folder_lock(folder: Path, what: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing drops the lock
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> Path:
+    """Replace ``path`` by ``data`` atomically (temporary sibling, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

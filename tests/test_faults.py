@@ -172,3 +172,117 @@ def test_a_failed_write_stops_generate_at_once(tiny_model, tmp_path):
     assert 0 < len(kept) <= 400 // 10 + 8  # a tenth of the file, give or take a wave
     assert f"{len(kept)} finished games are kept" in err or f"{len(kept) - 1} finished" in err
     assert stopped < 0.6 * whole, (stopped, whole)
+
+
+# --- typos and foreign lines: one clear line at once, nothing recorded ------------------------
+
+
+def test_an_engine_url_that_no_server_speaks_fails_at_once(tmp_path):
+    from typer.testing import CliRunner
+
+    from selfplay.cli import app
+
+    for url in ("ftp://host:1", "notaurl", "http://host:port"):
+        start = time.perf_counter()
+        res = CliRunner().invoke(
+            app,
+            ["generate", "--engine", "sglang", "--engine-url", url, "--model", "m",
+             "--out", str(tmp_path / "out"), "--num-games", "1"],
+        )  # fmt: skip
+        assert res.exit_code == 1 and "--engine-url" in res.output and url in res.output
+        assert time.perf_counter() - start < 15
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_model_directory_is_called_missing_and_records_nothing(tmp_path, tiny_model):
+    from typer.testing import CliRunner
+
+    from selfplay.cli import app
+
+    (tmp_path / "empty").mkdir()
+    for model, says in (
+        ("./no/such/dir", "model directory ./no/such/dir does not exist"),
+        (str(tmp_path / "nope"), "does not exist"),
+        (str(tmp_path / "empty"), "holds no model (no config.json)"),
+    ):
+        res = CliRunner().invoke(
+            app, ["generate", "--model", model, "--out", str(tmp_path / "g"), "--num-games", "1"]
+        )
+        assert res.exit_code == 1 and says in res.output, res.output
+    # a mistyped --warm-start directory fails before the run records anything; the corrected
+    # command is then not refused as "started with another configuration"
+    base = ["iterate", "--name", "w", "--data-root", str(tmp_path / "data"), "--model",
+            str(tiny_model), "--checkpoint-root", str(tmp_path / "ck")]  # fmt: skip
+    start = time.perf_counter()
+    res = CliRunner().invoke(app, [*base, "--warm-start", str(tmp_path / "typo")])
+    assert res.exit_code == 1 and "--warm-start: model directory" in res.output, res.output
+    assert time.perf_counter() - start < 20
+    assert not (tmp_path / "data" / "w" / "manifest.json").exists()
+    assert not (tmp_path / "g" / "generate.json").exists()
+
+
+def test_a_line_that_is_not_an_object_is_skipped_on_resume(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    cmd = _generate_cmd(out, tiny_model, 8, 4)
+    assert subprocess.run(cmd, env=_env(), capture_output=True).returncode == 0
+    games = out / "games.jsonl"
+    lines = games.read_bytes().splitlines(keepends=True)
+    games.write_bytes(b"".join(lines[:3]) + b"[1, 2]\n" + b"".join(lines[4:]))
+    res = subprocess.run(cmd, env=_env(), capture_output=True)
+    assert res.returncode == 0, res.stderr.decode()[-3000:]
+    assert b"games.jsonl:4: skipping a corrupt line" in res.stderr
+    again = games.read_bytes().splitlines()
+    assert again[-1] == b"[1, 2]"  # kept, after the games (convert skips it by number)
+    assert [orjson.loads(x)["game_id"] for x in again[:-1]] == _plan_ids(out, tiny_model, 8)
+
+
+def test_small_faults_each_get_one_clear_line(tmp_path, tiny_model):
+    """generate.json missing or corrupt beside games; eval --baselines in scripted pair mode; a
+    table size out of the game's range; a partner name; a refused sft leaves no folder."""
+    from typer.testing import CliRunner
+
+    from selfplay.cli import app
+
+    def run(*args: str):
+        return CliRunner().invoke(app, list(args))
+
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "games.jsonl").write_text('{"game_id": "x"}\n')
+    gen = ("generate", "--model", str(tiny_model), "--out", str(out), "--num-games", "1")
+    res = run(*gen)
+    assert res.exit_code == 1 and "holds games but no generate.json" in res.output, res.output
+    (out / "generate.json").write_text("{torn")
+    res = run(*gen)
+    assert res.exit_code == 1 and "generate.json is not a generate.json" in res.output, res.output
+    res = run("eval", "--players", "cooperative,shy", "--baselines", "bogus")
+    assert res.exit_code == 1 and "--baselines" in res.output
+    res = run("generate", "--table-size", "0", "--model", "m", "--out", str(tmp_path / "t"))
+    assert res.exit_code == 1 and "sizes are 3 to 8, not 0" in res.output, res.output
+    res = run("generate", "--partner", "greedy", "--model", "m", "--out", str(tmp_path / "t"))
+    assert (
+        res.exit_code == 1
+        and "inquisitive" in res.output
+        and "game's scripted players" in (res.output)
+    )
+    sft_out = tmp_path / "sft"
+    res = run("sft", "--model", str(tiny_model), "--out", str(sft_out), "--teacher",
+              "scripted:cooperative", "--num-games", "1", "--mini-batch-size", "64")  # fmt: skip
+    assert res.exit_code == 1 and "fewer than one mini-batch" in res.output, res.output
+    assert not sft_out.exists()
+
+
+def test_convert_skips_a_record_of_a_game_it_does_not_know(tmp_path):
+    from test_convert import game, write
+
+    from selfplay.convert import ConvertConfig, convert
+
+    chess = game("c", "A", 0.5).model_dump(mode="json")
+    chess["game"] = "chess"
+    games = write(
+        tmp_path / "games.jsonl",
+        [game("a1", "A", 0.2), game("a2", "A", 0.8), orjson.dumps(chess) + b"\n"],
+    )
+    summary = convert(ConvertConfig(games=games, out=tmp_path))
+    assert summary.games_read == 2 and summary.lines_skipped == 1
+    assert "'chess' is not a game this selfplay knows" in summary.skipped[0][1]

@@ -24,6 +24,7 @@ ALLOWED = {
     "selfplay.engines": {"selfplay.errors", "selfplay.hardware"},
     "selfplay.train": {
         "selfplay.errors",
+        "selfplay.fileio",
         "selfplay.hardware",
         "selfplay.training_schema",
         "selfplay.models",

@@ -43,6 +43,26 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, tiny_model):
         pass
 
 
+def test_a_second_train_into_one_out_is_refused_at_once(tmp_path, tiny_model):
+    """Two trains into one --out would train into the same hidden folder: the second is refused
+    before it loads anything, naming the first."""
+    import time
+
+    from selfplay.fileio import output_lock
+
+    out = tmp_path / "ckpt"
+    with output_lock(out, "selfplay train"):
+        start = time.perf_counter()
+        res = CliRunner().invoke(
+            app,
+            ["train", "--data", str(tmp_path / "train.parquet"), "--model", str(tiny_model),
+             "--out", str(out)],
+        )  # fmt: skip
+        assert res.exit_code == 1 and f"in use by pid {os.getpid()}" in res.output, res.output
+        assert time.perf_counter() - start < 10
+    assert not out.exists() and not (tmp_path / ".ckpt.partial").exists()
+
+
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
     out = tmp_path / "run"
     code = (

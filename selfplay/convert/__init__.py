@@ -36,6 +36,7 @@ module is the driver: ``convert``, its summary and errors, and ``rows_table``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -61,6 +62,7 @@ from selfplay.convert.rows import (
 )
 from selfplay.convert.stats import LengthStats, RewardStats, Stats
 from selfplay.errors import UserError
+from selfplay.fileio import folder_lock
 from selfplay.records import TRAINING_SCHEMA, GameRecord, RecordError, check_record_version
 
 __all__ = [
@@ -235,12 +237,23 @@ def convert(config: ConvertConfig) -> ConvertSummary:
     Raises RecordError for a missing or empty file or another schema version, ConvertError when no
     usable training set results; in both cases nothing is written.
     """
-    start = time.perf_counter()
     games = config.games
     if not games.is_file():
         raise RecordError(f"{games} does not exist or is not a file; pass the games.jsonl path")
-    out = config.out
+    # a generate still writing the games holds their folder: refused, not half-read
+    with contextlib.ExitStack() as locks:
+        for folder in dict.fromkeys((games.parent.resolve(), config.out.resolve())):
+            locks.enter_context(folder_lock(folder, "selfplay convert"))
+        return _convert_locked(config)
+
+
+def _convert_locked(config: ConvertConfig) -> ConvertSummary:
+    start = time.perf_counter()
+    games, out = config.games, config.out
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*.convert-*"):  # left by a killed convert (the lock is ours now)
+        log.warning("removing %s, left by a convert that did not finish", stale)
+        stale.unlink(missing_ok=True)
     final = {"train": out / TRAIN_FILE, "val": out / VAL_FILE, "summary": out / SUMMARY_FILE}
     summary = ConvertSummary(
         games_path=str(games),

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from selfplay.convert.config import ConvertConfig
 from selfplay.convert.grouping import group_key
-from selfplay.records import GameRecord, SeatTokens
+from selfplay.records import GameRecord, SeatTokens, known_game
 
 # Speed matters here (thousands of games of ~3,000 tokens per second). The token lists go from
 # the parsed JSON into typed buffers with struct.pack and bytearray, which check every value and
@@ -103,6 +103,8 @@ def rows_of_json(obj: dict, config: ConvertConfig) -> RecordRows:
     them all, ConvertConfig.validate_records puts it in front)."""
     game_id = _need(obj, "game_id", str)
     scenario_id = _need(obj, "scenario_id", str)
+    if known_game(obj) is None:
+        raise BadRecord(f"game {obj.get('game')!r} is not a game this selfplay knows")
     rnd = obj.get("round", 0)
     if not isinstance(rnd, int) or isinstance(rnd, bool):
         raise BadRecord("round is not an int")

@@ -20,8 +20,9 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal, Protocol, Union
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from selfplay.errors import EngineFailure
 from selfplay.hardware import ComputeDtype
@@ -169,6 +170,22 @@ class SGLangEngineConfig(BaseModel):
     retries: int = Field(4, ge=0)
     backoff_s: float = Field(1.0, ge=0)
     max_connections: int = Field(1024, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """Only http(s)://HOST[:PORT] speaks to a server: anything else fails here, at once,
+        instead of being retried until the health timeout."""
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http(s)://HOST:PORT address of a server")
+        try:
+            parts.port  # noqa: B018  (a port that is not a number raises here)
+        except ValueError as e:
+            raise ValueError(f"{url!r}: {e}") from None
+        return url
 
 
 # The engines there are. Adding one: a module with its Engine class (built from its config), its

@@ -71,10 +71,10 @@ class HFEngine:
         if model is None:
             try:
                 model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
-            except OSError as e:
+            except Exception as e:  # OSError, a corrupt safetensors file, a bad config.json
                 raise RuntimeError(
-                    f"cannot load model {config.model!r}: {e}. Pass a local directory or an "
-                    "HF model id this machine can download."
+                    f"cannot load model {config.model!r}: {type(e).__name__}: {e}. Pass a local "
+                    "Hugging Face model directory or an HF model id this machine can download."
                 ) from e
         self.model = model.to(self.device).eval()
         if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":

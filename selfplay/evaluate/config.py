@@ -27,6 +27,7 @@ from selfplay.engines import (
     SGLangEngineConfig,
 )
 from selfplay.errors import UserError
+from selfplay.fileio import atomic_write
 from selfplay.game import MATCHING, DialogueGame, game_of
 from selfplay.generate.config import PlayOptions
 from selfplay.hardware import ComputeDtype
@@ -324,7 +325,4 @@ def save_result(result: EvalResult, path: str | Path) -> Path:
     """Write eval.json (replaced atomically)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write(path, json.dumps(result.model_dump(mode="json"), indent=2) + "\n")

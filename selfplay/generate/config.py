@@ -54,7 +54,6 @@ class PlayOptions(BaseModel):
     )
     table_size: int = Field(
         8,
-        ge=1,
         description=f"Table size n (n reviewers x n papers, {MIN_N} to {MAX_N}); another game: "
         "its own size.",
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import orjson
 
 from selfplay.errors import UserError
+from selfplay.fileio import atomic_write
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.rollout import GameSpec, training_plan
 from selfplay.records import GameRecord, append_records, repair_jsonl_tail
@@ -40,7 +40,13 @@ def prepare_output(config: GenerateConfig, *, record: bool = True) -> dict[str, 
     snap = config.snapshot_path
     identity = config.identity()
     if snap.exists():
-        old = json.loads(snap.read_text()).get("identity", {})
+        try:
+            old = json.loads(snap.read_text())["identity"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise OutputMismatch(
+                f"{snap} is not a generate.json this selfplay can read ({e}); it names the "
+                "options the folder's games were planned with: restore it, or choose another --out"
+            ) from None
         diff = {k: (old.get(k), v) for k, v in identity.items() if old.get(k) != v}
         if diff:
             detail = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
@@ -48,6 +54,12 @@ def prepare_output(config: GenerateConfig, *, record: bool = True) -> dict[str, 
                 f"{config.out} holds games generated with other options ({detail}). Re-run with "
                 "the same options to resume, or choose another --out"
             )
+    elif config.games_path.exists() and config.games_path.stat().st_size:
+        raise OutputMismatch(
+            f"{config.out} holds games but no generate.json (the options they were planned "
+            "with), so they cannot be told apart from games of other options: restore it, move "
+            "the games away, or choose another --out"
+        )
     elif record:
         record_options(config)
     repair_jsonl_tail(config.games_path)  # logs a warning when it drops a torn line
@@ -58,9 +70,7 @@ def record_options(config: GenerateConfig) -> None:
     """Write OUT/generate.json: the options that decide which games the folder holds."""
     snap = config.snapshot_path
     if not snap.exists():
-        tmp = snap.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"identity": config.identity()}, indent=2) + "\n")
-        tmp.replace(snap)
+        atomic_write(snap, json.dumps({"identity": config.identity()}, indent=2) + "\n")
 
 
 def write_in_plan_order(config: GenerateConfig) -> bool:
@@ -83,12 +93,7 @@ def write_in_plan_order(config: GenerateConfig) -> bool:
     ordered = [line for _, line in sorted(enumerate(lines), key=key)]
     if ordered == lines:
         return False
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        f.writelines(ordered)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write(path, b"".join(ordered))
     log.info("%s: %d games written in plan order", path, len(ordered))
     return True
 

@@ -303,6 +303,8 @@ def _summary_records(path: Path, ids: set[str]) -> Iterator[GameRecord]:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError:
                 continue
+            if not isinstance(obj, dict):  # a foreign line ([1, 2]): scan_games warned of it
+                continue
             gid = obj.get("game_id")
             if gid in ids and gid not in seen:
                 seen.add(gid)

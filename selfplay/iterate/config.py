@@ -125,6 +125,13 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             )
         if v is not None and v.startswith("scripted:"):
             parse_warm_start(v)
+        elif v is not None:  # a model: a mistyped directory fails here, before anything is kept
+            from selfplay.models import ModelNotFound, resolve_model
+
+            try:
+                resolve_model(v)
+            except ModelNotFound as e:
+                raise ValueError(str(e)) from None
         return v
 
     @property

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import time
 from importlib import metadata
-from pathlib import Path
 
 import orjson
 from pydantic import (
     BaseModel,
 )
 
+from selfplay.fileio import atomic_write
 from selfplay.iterate.config import IterateConfig, IterateError, config_identity
 from selfplay.manifest import Manifest, RoundRecord, StageRecord, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
@@ -30,15 +29,6 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return out
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 class Run:
@@ -95,7 +85,7 @@ class Run:
         return False
 
     def save(self) -> None:
-        _atomic_write(self.path, orjson.dumps(self.manifest.model_dump(mode="json")))
+        atomic_write(self.path, orjson.dumps(self.manifest.model_dump(mode="json")))
 
     # What the loop records, each saved at once (the manifest is replaced atomically, so a kill
     # anywhere leaves either the state before or after the record).
@@ -150,7 +140,7 @@ class Run:
             for k, r in sorted(self.manifest.rounds.items())
             if r.metrics is not None
         ]
-        _atomic_write(self.config.run_dir / "metrics.jsonl", b"".join(x + b"\n" for x in lines))
+        atomic_write(self.config.run_dir / "metrics.jsonl", b"".join(x + b"\n" for x in lines))
 
 
 def _dump(model: BaseModel | None) -> dict | None:

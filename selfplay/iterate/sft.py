@@ -20,8 +20,10 @@ metrics.json); ``OUT/sft_data/`` holds the teacher games (``games.jsonl``) and t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,8 @@ class SFTConfig(BaseModel):
     # sources
     teacher: str | None = Field(
         None,
-        description="Clone a scripted policy: scripted:NAME (cooperative, no-talk, shy, random).",
+        description="Clone a scripted policy: scripted:NAME (cooperative, no-talk, shy, random, "
+        "inquisitive).",
     )
     partner: str | None = Field(
         None,
@@ -203,7 +206,15 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
 
     check_new_output(config.out)  # before the teacher plays a single game
     chat = load_chat_format(config.model)
-    rows_path, sources = build_rows(config, chat)
+    new = not config.data_dir.exists()
+    try:
+        rows_path, sources = build_rows(config, chat)
+    except BaseException:  # refused (too few rows, a bad source): leave what was there before
+        if new:
+            shutil.rmtree(config.data_dir, ignore_errors=True)  # teacher games replay exactly
+            with contextlib.suppress(OSError):
+                config.out.rmdir()  # only when empty
+        raise
     shared = set(SFTConfig.model_fields) & set(TrainConfig.model_fields)  # model, out, lr, ...
     tcfg = TrainConfig(
         data=rows_path,

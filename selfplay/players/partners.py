@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-PARTNER_FORMS = "self, scripted:NAME (cooperative, no-talk, shy, random) or openai:MODEL"
+PARTNER_FORMS = "self, scripted:NAME (one of the game's scripted players) or openai:MODEL"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -132,8 +132,8 @@ class PartnerOptions(BaseModel):
     partner: str | None = Field(
         None,
         description="Who plays the other seat: self (the default), scripted:NAME (cooperative, "
-        "no-talk, shy, random; a bare NAME works too) or openai:MODEL (an OpenAI-compatible chat "
-        "model, shy persona).",
+        "no-talk, shy, random, inquisitive; a bare NAME works too) or openai:MODEL (an "
+        "OpenAI-compatible chat model, shy persona).",
     )
     policy_seat: Literal[1, 2] = Field(
         1, description="The model's seat with a partner: 1, or 2 (the partner moves first)."

@@ -15,6 +15,8 @@ import shutil
 import struct
 from pathlib import Path
 
+from selfplay.fileio import atomic_write
+
 log = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -59,8 +61,6 @@ def export_hf_dir(src: Path, dst: Path, tokenizer_source: str) -> Path:
     if "torch_dtype" in config:
         config["torch_dtype"] = dtype
     # config.json last: its presence marks a complete directory
-    tmp = dst / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tmp.replace(dst / "config.json")
+    atomic_write(dst / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     log.info("wrote the Hugging Face model to %s (dtype %s)", dst, dtype)
     return dst

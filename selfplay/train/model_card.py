@@ -9,12 +9,13 @@ evaluation, ``read_card`` returns the ``selfplay`` block (``selfplay eval`` prin
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from selfplay.fileio import atomic_write
 
 CARD = "README.md"
 
@@ -70,10 +71,7 @@ def _body(meta: dict[str, Any]) -> str:
 def _write(model_dir: Path, meta: dict[str, Any]) -> Path:
     path = Path(model_dir) / CARD
     text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + _body(meta)
-    tmp = path.with_name(f"{CARD}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    return atomic_write(path, text)
 
 
 def write_card(

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from selfplay.errors import UserError
+from selfplay.fileio import output_lock
 from selfplay.train.batch import (
     Rows,
     TrainDataError,
@@ -271,7 +272,13 @@ class DiskFull(UserError, OSError):
 def _publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
     """Train into a hidden folder beside ``cfg.out``, then move the finished files into
     ``cfg.out`` (config.json, which marks a complete model, last): a failed, killed or
-    disk-full training leaves no half-written model, and a retry starts clean."""
+    disk-full training leaves no half-written model, and a retry starts clean. A second train
+    into the same ``out`` is refused at once (``output_lock``)."""
+    with output_lock(cfg.out, "selfplay train"):
+        return _publish_locked(cfg, run)
+
+
+def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
     _check_out(cfg)
     out = cfg.out
     partial = out.parent / f".{out.name}.partial"
