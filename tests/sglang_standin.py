@@ -54,7 +54,7 @@ def build_app(model_path: str, *, die_after: int | None = None, latency: float =
     from fastapi.responses import JSONResponse
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from selfplay.engines import GenerationRequest, HFEngineConfig
+    from selfplay.engines import EngineRequestError, GenerationRequest, HFEngineConfig
     from selfplay.engines.hf import HFEngine
 
     engine = HFEngine(HFEngineConfig(model=model_path, device="cpu"))
@@ -87,16 +87,19 @@ def build_app(model_path: str, *, die_after: int | None = None, latency: float =
         eos = engine.model.generation_config.eos_token_id
         if not params.get("ignore_eos") and eos is not None:  # SGLang stops at the model's EOS
             stops += tuple(eos) if isinstance(eos, list) else (eos,)
-        gen = await engine.generate(
-            GenerationRequest(
-                prompt_ids=ids,
-                max_new_tokens=int(params.get("max_new_tokens", 128)),
-                temperature=float(params.get("temperature", 1.0)),
-                top_p=float(params.get("top_p", 1.0)),
-                seed=params.get("sampling_seed"),
-                stop_token_ids=stops,
+        try:
+            gen = await engine.generate(
+                GenerationRequest(
+                    prompt_ids=ids,
+                    max_new_tokens=int(params.get("max_new_tokens", 128)),
+                    temperature=float(params.get("temperature", 1.0)),
+                    top_p=float(params.get("top_p", 1.0)),
+                    seed=params.get("sampling_seed"),
+                    stop_token_ids=stops,
+                )
             )
-        )
+        except EngineRequestError as e:  # SGLang: an input longer than the context is a 400
+            raise HTTPException(400, str(e)) from None
         finish = (
             {"type": "stop", "matched": gen.token_ids[-1]}
             if gen.finish_reason == "stop"

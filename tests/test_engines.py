@@ -27,11 +27,10 @@ from selfplay.engines import (
 from selfplay.engines.openai import OpenAIEngine, OpenAIEngineConfig
 from selfplay.engines.sglang import SGLangEngine
 from selfplay.engines.synthetic import SyntheticEngine
+from tests.servers import free_port, running, serve, wait_healthy
+from tests.sglang_standin import install_fake_sglang
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-from servers import free_port, running, serve, wait_healthy  # noqa: E402
-from sglang_standin import install_fake_sglang  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -524,7 +523,7 @@ def test_a_router_in_front_of_two_workers_serves_and_reloads_both(tiny_model, hf
 
 
 class _EchoConfig(HFEngineConfig):
-    engine: ClassVar[str] = "test_engines:_EchoEngine"
+    engine: ClassVar[str] = "tests.test_engines:_EchoEngine"
 
 
 class _EchoEngine:

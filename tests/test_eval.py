@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from selfplay.evaluate.run import run_models
 from selfplay.seeds import eval_scenario_seed, scenario_seed
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
 
 WORDS = st.integers(min_value=0, max_value=2**64 - 1)
 # small and fast: 3x3 tables, short games, short actions
@@ -306,9 +304,8 @@ def test_policy_seat_2_puts_the_partner_first(tiny_model, tmp_path):
 def test_api_partner_in_eval_gets_the_persona_and_the_key_stays_out(
     tiny_model, tmp_path, monkeypatch
 ):
-    from chat_standin import ChatStandIn
-
     from selfplay.players.api import SHY_PERSONA
+    from tests.chat_standin import ChatStandIn
 
     secret = "sk-test-very-secret-0123456789"
     monkeypatch.setenv("STANDIN_KEY", secret)
@@ -430,7 +427,7 @@ def test_cli_option_errors(tmp_path):
 @pytest.fixture
 def sglang_url(tiny_model):
     """The SGLang stand-in, serving the tiny model's weights whatever it is told to load."""
-    from servers import running
+    from tests.servers import running
 
     with running([str(TESTS / "sglang_standin.py"), "--model-path", str(tiny_model)]) as url:
         yield url

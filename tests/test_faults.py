@@ -20,7 +20,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from test_iterate import _cmd, _env, _lines, _run
+
+from tests.test_iterate import _cmd, _env, _lines, _run
 
 pytestmark = pytest.mark.slow
 
@@ -255,6 +256,14 @@ def test_small_faults_each_get_one_clear_line(tmp_path, tiny_model):
     (out / "generate.json").write_text("{torn")
     res = run(*gen)
     assert res.exit_code == 1 and "generate.json is not a generate.json" in res.output, res.output
+    # a key this selfplay does not know, or one the new options leave at its old default
+    from selfplay.generate.config import GenerateConfig
+
+    ident = GenerateConfig(out=out, num_games=1, model=str(tiny_model)).identity()
+    for extra, says in (({"bogus": 1}, "bogus: was 1"), ({"policy_seat": 2}, "policy_seat: was 2")):
+        (out / "generate.json").write_text(orjson.dumps({"identity": ident | extra}).decode())
+        res = run(*gen)
+        assert res.exit_code == 1 and says in res.output, res.output
     res = run("eval", "--players", "cooperative,shy", "--baselines", "bogus")
     assert res.exit_code == 1 and "--baselines" in res.output
     res = run("generate", "--table-size", "0", "--model", "m", "--out", str(tmp_path / "t"))
@@ -273,9 +282,8 @@ def test_small_faults_each_get_one_clear_line(tmp_path, tiny_model):
 
 
 def test_convert_skips_a_record_of_a_game_it_does_not_know(tmp_path):
-    from test_convert import game, write
-
     from selfplay.convert import ConvertConfig, convert
+    from tests.test_convert import game, write
 
     chess = game("c", "A", 0.5).model_dump(mode="json")
     chess["game"] = "chess"

@@ -13,20 +13,18 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from selfplay.engines import EngineFailure, Generation, GenerationRequest, SGLangEngineConfig
+from selfplay.engines import EngineFailure, SGLangEngineConfig
 from selfplay.game.api import Outcome
-from selfplay.game.matching.rules import format_proposal
-from selfplay.game.matching.turns import PROPOSAL_CHOICES
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import OutputMismatch, plan_games
 from selfplay.generate.runner import generate_games, run_generate
 from selfplay.metrics import summarize
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
+from tests.fakes import MovesEngine, mask_runs
+from tests.sglang_standin import install_fake_sglang
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-from sglang_standin import install_fake_sglang  # noqa: E402
 
 
 def config(out: Path, model: Path, **kw) -> GenerateConfig:
@@ -46,19 +44,6 @@ def read(path: Path) -> list[GameRecord]:
     records = list(iter_game_records(path, report))
     assert report.skipped == []
     return records
-
-
-def mask_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    runs, cur = [], []
-    for t, m in zip(ids, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return runs
 
 
 def check_tokens(record: GameRecord, chat: ChatFormat) -> None:
@@ -114,38 +99,6 @@ def test_end_to_end_tiny_model_records_are_token_exact(tiny_model, tmp_path):
             assert abs(logp[i - 1, tok].item() - lp) < 1e-3
 
 
-class PolicyEngine:
-    """A token engine that plays valid moves: one message, then a proposal; accepts proposals."""
-
-    name = "policy"
-    max_context = None
-
-    def __init__(self, chat: ChatFormat, n: int, latency: float = 0.0) -> None:
-        self.chat, self.n, self.latency = chat, n, latency
-        self.requests = 0
-        self.generated_tokens = 0
-
-    async def start(self) -> None: ...
-
-    async def aclose(self) -> None: ...
-
-    async def generate(self, request: GenerationRequest) -> Generation:
-        self.requests += 1
-        await asyncio.sleep(self.latency)
-        text = self.chat.decode(list(request.prompt_ids))
-        last_user = text[text.rfind("<|im_start|>user") :]
-        spoken = text.count("<|im_start|>assistant") - 1
-        if PROPOSAL_CHOICES in last_user:
-            action = "[accept]"
-        elif spoken:
-            action = "[propose] " + format_proposal([(i, i) for i in range(self.n)], self.n)
-        else:
-            action = "[message] Hello! What do you know about Ava Li?"
-        ids = [*self.chat.encode(action), self.chat.stop_token_ids[0]]
-        self.generated_tokens += len(ids)
-        return Generation(ids, [-0.25] * len(ids), "stop")
-
-
 def play(cfg: GenerateConfig, engine) -> object:
     chat = engine.chat
 
@@ -162,7 +115,7 @@ def chat(tiny_model) -> ChatFormat:
 
 def test_valid_games_end_accepted_and_keep_exact_tokens(tiny_model, tmp_path, chat):
     cfg = config(tmp_path / "run", tiny_model, num_games=6, games_per_scenario=3)
-    result = play(cfg, PolicyEngine(chat, 3))
+    result = play(cfg, MovesEngine(chat, 3, name="policy"))
     records = read(cfg.games_path)
     assert len(records) == 6
     for r in records:
@@ -173,7 +126,7 @@ def test_valid_games_end_accepted_and_keep_exact_tokens(tiny_model, tmp_path, ch
     assert result.stats.generated_tokens > 0
     # a scripted partner in seat 2 has no tokens; the LLM seat still does
     cfg2 = config(tmp_path / "partner", tiny_model, num_games=2, partner="cooperative")
-    play(cfg2, PolicyEngine(chat, 3))
+    play(cfg2, MovesEngine(chat, 3, name="policy"))
     for r in read(cfg2.games_path):
         assert r.tokens[1] is None and r.seats[1].kind == "scripted"
         check_tokens(r, chat)
@@ -183,11 +136,11 @@ def test_resume_keeps_finished_games_drops_a_torn_line_and_never_duplicates(
     tiny_model, tmp_path, chat, caplog
 ):
     out = tmp_path / "run"
-    play(config(out, tiny_model, num_games=6), PolicyEngine(chat, 3))
+    play(config(out, tiny_model, num_games=6), MovesEngine(chat, 3, name="policy"))
     first = {r.game_id: r for r in read(out / "games.jsonl")}
     with (out / "games.jsonl").open("ab") as f:  # a write cut off by a crash
         f.write(b'{"schema_version":1,"game_id":"r0-s1-g0","scen')
-    engine = PolicyEngine(chat, 3)
+    engine = MovesEngine(chat, 3, name="policy")
     with caplog.at_level(logging.WARNING):
         result = play(config(out, tiny_model, num_games=10), engine)
     assert "torn" in caplog.text
@@ -203,7 +156,7 @@ def test_resume_keeps_finished_games_drops_a_torn_line_and_never_duplicates(
     assert got == pytest.approx(want, nan_ok=True)
     for r in records[:6]:  # finished games are untouched
         assert r == first[r.game_id]
-    again = PolicyEngine(chat, 3)
+    again = MovesEngine(chat, 3, name="policy")
     result = play(config(out, tiny_model, num_games=10), again)
     assert again.requests == 0 and result.stats.played == 0
     assert result.summary.games == 10
@@ -212,9 +165,9 @@ def test_resume_keeps_finished_games_drops_a_torn_line_and_never_duplicates(
 
 def test_a_rerun_with_other_options_is_refused(tiny_model, tmp_path, chat):
     out = tmp_path / "run"
-    play(config(out, tiny_model, num_games=2), PolicyEngine(chat, 3))
+    play(config(out, tiny_model, num_games=2), MovesEngine(chat, 3, name="policy"))
     with pytest.raises(OutputMismatch, match="seed: was 0, now 5"):
-        play(config(out, tiny_model, num_games=2, seed=5), PolicyEngine(chat, 3))
+        play(config(out, tiny_model, num_games=2, seed=5), MovesEngine(chat, 3, name="policy"))
 
 
 def test_same_seed_same_games(tiny_model, tmp_path):
@@ -241,7 +194,7 @@ def test_same_seed_same_games(tiny_model, tmp_path):
 def test_a_server_dying_mid_run_is_a_clear_error_and_finished_games_are_kept(
     tiny_model, tmp_path, monkeypatch
 ):
-    from servers import free_port
+    from tests.servers import free_port
 
     monkeypatch.setenv("PYTHONPATH", str(install_fake_sglang(tmp_path / "fake")))
     pid_file = tmp_path / "server.pid"

@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.sglang_standin import install_fake_sglang
+
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-from sglang_standin import install_fake_sglang  # noqa: E402
 
 SELFPLAY = Path(sys.executable).parent / "selfplay"
 
@@ -69,7 +69,7 @@ def test_sigkill_mid_run_then_rerun_gives_exactly_num_games_unique_games(tiny_mo
 
 
 def test_ctrl_c_shuts_the_launched_server_down_and_keeps_finished_games(tiny_model, tmp_path):
-    from servers import free_port
+    from tests.servers import free_port
 
     out = tmp_path / "run"
     games = out / "games.jsonl"

@@ -102,19 +102,25 @@ def _comparable(record, root: Path) -> tuple[dict, list[float]]:
 
 
 def _snapshot(root: Path, name: str) -> dict:
-    """What must not depend on interruptions: games, rows, and the rounds' models."""
+    """What must not depend on interruptions: games, rows in their order, the rounds' models
+    (their weights' sha256: bit for bit)."""
+    import hashlib
+
     run = root / "data" / name
     manifest = json.loads((run / "manifest.json").read_text())
-    games, rows, logprobs = {}, {}, {}
+    games, rows, logprobs, models = {}, {}, {}, {}
     for k in range(ROUNDS):
         for r in iter_game_records(run / f"round_{k}" / "games.jsonl"):
             assert r.game_id not in games, "duplicated game"
             games[r.game_id], logprobs[r.game_id] = _comparable(r, root)
         path = run / f"round_{k}" / "train.parquet"
         if path.exists():
-            table = pq.read_table(path).sort_by([("game_id", "ascending"), ("seat", "ascending")])
+            table = pq.read_table(path)  # in file order: the order trained in
             cols = ["game_id", "seat", "group_id", "prompt_ids", "response_ids", "reward"]
             rows[k] = table.select(cols).to_pylist()
+        weights = root / "checkpoints" / name / f"round_{k}" / "model.safetensors"
+        if weights.exists():
+            models[k] = hashlib.sha256(weights.read_bytes()).hexdigest()
     rounds = {k: sorted(v["stages"]) for k, v in manifest["rounds"].items()}
     metrics = [orjson.loads(x) for x in (run / "metrics.jsonl").read_bytes().splitlines()]
     return {
@@ -123,6 +129,7 @@ def _snapshot(root: Path, name: str) -> dict:
         "rounds": rounds,
         "metric_rounds": [m["round"] for m in metrics],
         "logprobs": logprobs,
+        "models": models,
     }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from pathlib import Path
 
 import orjson
@@ -18,11 +17,9 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.convert import ConvertConfig, convert
-from selfplay.engines import Generation, GenerationRequest, HFEngineConfig
+from selfplay.engines import HFEngineConfig
 from selfplay.game import MATCHING
 from selfplay.game.api import Outcome
-from selfplay.game.matching.rules import format_proposal
-from selfplay.game.matching.turns import PROPOSAL_CHOICES
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import OutputMismatch
 from selfplay.generate.runner import generate_games, partner_config
@@ -40,9 +37,8 @@ from selfplay.players.partners import (
     parse_partner,
 )
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chat_standin import ChatStandIn
+from tests.chat_standin import ChatStandIn
+from tests.fakes import MovesEngine, mask_runs
 
 KEY_ENV = "SELFPLAY_TEST_PARTNER_KEY"
 SECRET = "sk-test-SECRET-d41d8cd98f00"
@@ -147,36 +143,6 @@ def test_identity_has_the_partner_but_not_the_cap_or_key_name(tmp_path):
 # a token engine that plays valid moves: asks one direct question, proposes, accepts
 
 
-class AskingEngine:
-    name = "asking"
-    max_context = None
-
-    def __init__(self, chat: ChatFormat, n: int = 3) -> None:
-        self.chat, self.n = chat, n
-        self.requests = 0
-        self.generated_tokens = 0
-
-    async def start(self) -> None: ...
-
-    async def aclose(self) -> None: ...
-
-    async def generate(self, request: GenerationRequest) -> Generation:
-        self.requests += 1
-        await asyncio.sleep(0)
-        text = self.chat.decode(list(request.prompt_ids))
-        last_user = text[text.rfind("<|im_start|>user") :]
-        spoken = text.count("<|im_start|>assistant") - 1
-        if PROPOSAL_CHOICES in last_user:
-            action = "[accept]"
-        elif spoken:
-            action = "[propose] " + format_proposal([(i, i) for i in range(self.n)], self.n)
-        else:
-            action = QUESTION
-        ids = [*self.chat.encode(action), self.chat.stop_token_ids[0]]
-        self.generated_tokens += len(ids)
-        return Generation(ids, [-0.25] * len(ids), "stop")
-
-
 @pytest.fixture(scope="module")
 def chat(tiny_model) -> ChatFormat:
     return load_chat_format(str(tiny_model))
@@ -198,23 +164,17 @@ def play(cfg: GenerateConfig, chat: ChatFormat, **client_kw):
         if api is not None:
             client = open_partner_client(api.model_copy(update={"backoff_s": 0.01, **client_kw}))
         try:
-            return await generate_games(cfg, AskingEngine(chat), chat, partner_client=client)
+            return await generate_games(
+                cfg,
+                MovesEngine(chat, first_move=QUESTION, name="asking"),
+                chat,
+                partner_client=client,
+            )
         finally:
             if client is not None:
                 await client.aclose()
 
     return asyncio.run(go())
-
-
-def mask_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    runs, cur = [], []
-    for t, m in zip(ids, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return runs + ([cur] if cur else [])
 
 
 def check_trained_seat(record: GameRecord, seat: int, chat: ChatFormat) -> None:

@@ -194,7 +194,7 @@ def test_two_iterates_of_one_run_cannot_both_write(tmp_path, tiny_model):
 
 
 def test_a_refused_engine_url_fails_at_once(tmp_path, tiny_model):
-    from servers import free_port
+    from tests.servers import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 from pydantic import ValidationError
-from toy_game import SUM, SumScenario
 
 from selfplay import game as game_registry
 from selfplay.game.conformance import check_game
@@ -22,6 +21,7 @@ from selfplay.generate.rollout import (
 )
 from selfplay.metrics import summarize
 from selfplay.records import GameRecord, ReadReport, append_records, iter_game_records
+from tests.toy_game import SUM, SumScenario
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from test_train_batch import make_rows, write_rows
 from typer.testing import CliRunner
 
 from selfplay.records import TRAINING_SCHEMA
 from selfplay.train.batch import rows_from_table
 from selfplay.train.config import TrainConfig
+from tests.test_train_batch import make_rows, write_rows
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import free_port, wait_healthy
 from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.records import iter_game_records
+from tests.servers import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 

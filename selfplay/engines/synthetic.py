@@ -63,7 +63,11 @@ class SyntheticEngine:
             reply(self._answer(r))
 
     def _answer(self, r: GenerationRequest) -> Generation:
-        ids = self.reply_ids[: r.max_new_tokens]
+        ids: list[int] = []
+        for token in self.reply_ids[: r.max_new_tokens]:  # up to a stop token, kept
+            ids.append(token)
+            if token in r.stop_token_ids:
+                break
         stop = bool(ids) and ids[-1] in r.stop_token_ids
         self.generated_tokens += len(ids)
         return Generation(

@@ -16,7 +16,7 @@ import orjson
 
 from selfplay.errors import UserError
 from selfplay.fileio import atomic_write
-from selfplay.generate.config import GenerateConfig
+from selfplay.generate.config import ADDED_LATER, GenerateConfig
 from selfplay.generate.rollout import GameSpec, training_plan
 from selfplay.records import GameRecord, append_records, repair_jsonl_tail
 
@@ -47,7 +47,15 @@ def prepare_output(config: GenerateConfig, *, record: bool = True) -> dict[str, 
                 f"{snap} is not a generate.json this selfplay can read ({e}); it names the "
                 "options the folder's games were planned with: restore it, or choose another --out"
             ) from None
-        diff = {k: (old.get(k), v) for k, v in identity.items() if old.get(k) != v}
+
+        # a key either side lacks has the value runs had before it existed (ADDED_LATER); a key
+        # this selfplay does not know at all is a difference too, never ignored
+        def value(ident: dict, key: str):
+            return ident.get(key, ADDED_LATER.get(key, "(not an option of this selfplay)"))
+
+        keys = [*identity, *(k for k in old if k not in identity)]
+        diff = {k: (value(old, k), value(identity, k)) for k in keys}
+        diff = {k: (a, b) for k, (a, b) in diff.items() if a != b}
         if diff:
             detail = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise OutputMismatch(

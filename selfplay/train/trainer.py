@@ -289,12 +289,14 @@ def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult])
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
-        if isinstance(e, OSError | RuntimeError) and (
-            getattr(e, "errno", None) == errno.ENOSPC or free < _LOW_DISK
-        ):
+        write_failed = getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG) or any(
+            m in str(e) for m in ("unexpected pos", "File too large", "No space left")
+        )  # torch's writer reports a failed write as a RuntimeError without an errno
+        if isinstance(e, OSError | RuntimeError) and (write_failed or free < _LOW_DISK):
             raise DiskFull(
                 errno.ENOSPC,
-                f"the disk filled up while writing the model under {out.parent} ({e}); "
+                f"writing the model under {out.parent} failed: the disk filled up or a file-size "
+                f"limit was reached ({type(e).__name__}: {e}); "
                 f"{free / 2**20:.0f} MiB are free there and a model of "
                 f"{_model_bytes(cfg.model) / 2**20:.0f} MiB needs at least that much again "
                 f"({'about 4x with' if cfg.save_verl_checkpoint else 'more without'} "
