@@ -9,6 +9,7 @@ through ``RunSettings``, a typed view that ignores the rest.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,12 @@ class StageRecord(BaseModel):
     artifacts: dict[str, str] = {}
     skip_reason: str | None = None
     info: dict[str, Any] = {}
+
+    @classmethod
+    def since(cls, started: float, **fields: Any) -> StageRecord:
+        """The record of a stage that started at ``started`` (time.time()) and finished now."""
+        now = time.time()
+        return cls(finished_at=now, seconds=now - started, **fields)
 
 
 class RoundRecord(BaseModel):

@@ -46,6 +46,7 @@ from selfplay.records import (
     dump_record,
     iter_game_records,
 )
+from tests.fakes import mask_runs
 
 LLM = SeatConfig(kind="llm", name="tiny", trained=True)
 FIXED = SeatConfig(kind="scripted", name="cooperative", trained=False)
@@ -267,15 +268,7 @@ def test_mask_one_tokens_decode_to_the_seats_own_actions(tmp_path, tiny_model):
     assert s.rows_written == 8
     by_game = {r.game_id: r for r in records}
     for row in train:
-        spans, current = [], []
-        for t, m in zip(row["response_ids"], row["response_mask"]):
-            if m:
-                current.append(t)
-            elif current:
-                spans.append(current)
-                current = []
-        if current:
-            spans.append(current)
+        spans = mask_runs(row["response_ids"], row["response_mask"])
         decoded = [tok.decode(span) for span in spans]
         own = [
             a.text + "<|im_end|>" for a in by_game[row["game_id"]].actions if a.seat == row["seat"]

@@ -256,11 +256,10 @@ async def generate_games(
     )
     writer.on_error = play.cancel  # a game that cannot be written stops them all at once
     try:
-        try:
-            await play
-        except asyncio.CancelledError:
-            if writer.error is None:
-                raise
+        await play
+    except asyncio.CancelledError:
+        if writer.error is None:  # cancelled by a failed write: raised below, once closed
+            raise
     except EngineFailure as e:
         fix = (
             "re-run with a higher --partner-max-calls"

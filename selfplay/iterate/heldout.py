@@ -65,11 +65,9 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     """The warm start (before round 0): a model given as is, or behaviour cloning of a scripted
     teacher (``scripted:NAME:GAMES``) in a child process."""
     assert cfg.warm_start is not None
-    if not cfg.warm_start.startswith("scripted:"):
-        return StageRecord(
-            finished_at=time.time(), seconds=0.0, artifacts={"model": cfg.warm_start}
-        )
     started = time.time()
+    if not cfg.warm_start.startswith("scripted:"):
+        return StageRecord.since(started, artifacts={"model": cfg.warm_start})
     out = cfg.warm_start_dir
     if out.exists():  # a warm start killed mid-way: its output never counted
         log.warning("removing the unfinished warm start %s", out)
@@ -80,11 +78,8 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     from selfplay.train.model_card import annotate
 
     annotate(out, name=f"{cfg.name} (warm start)")
-    return StageRecord(
-        finished_at=time.time(),
-        seconds=time.time() - started,
-        artifacts={"model": str(out)},
-        info={**info, "peak_rss_mb": rss},
+    return StageRecord.since(
+        started, artifacts={"model": str(out)}, info={**info, "peak_rss_mb": rss}
     )
 
 

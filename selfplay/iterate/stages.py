@@ -42,10 +42,6 @@ def _reload_attached(engine_cfg: SGLangEngineConfig, model: str) -> None:
     asyncio.run(go())
 
 
-def _record(started: float, **fields) -> StageRecord:
-    return StageRecord(finished_at=time.time(), seconds=time.time() - started, **fields)
-
-
 def generate_stage(
     cfg: IterateConfig,
     k: int,
@@ -74,7 +70,7 @@ def generate_stage(
         _, info["peak_rss_mb"] = isolated(generate, gen_cfg, engine_cfg)
     else:  # a caller's own function (tests) runs here
         generate(gen_cfg, engine_cfg)
-    return _record(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
+    return StageRecord.since(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
 
 
 def convert_stage(
@@ -94,9 +90,9 @@ def convert_stage(
         summary = convert(conv_cfg)
     except NoSignalError as e:
         log.warning("round %d: %s; skipping the update, the model carries forward", k, e)
-        return _record(started, skip_reason=str(e))
+        return StageRecord.since(started, skip_reason=str(e))
     flat = summary.groups_train_with_signal == 0
-    return _record(
+    return StageRecord.since(
         started,
         # --keep-degenerate with only equal-reward groups: rows written, nothing to learn
         skip_reason="every kept group has equal rewards (advantage 0)" if flat else None,
@@ -117,7 +113,7 @@ def train_stage(
     started = time.time()
     _hold(cfg.run_dir, "train")
     if done["convert"].skip_reason:
-        return _record(started, skip_reason="no training signal", info={})
+        return StageRecord.since(started, skip_reason="no training signal", info={})
     out = cfg.checkpoint_dir(k)
     if out.exists():  # a train killed mid-way: its output never counted
         log.warning("round %d: removing the unfinished checkpoint %s", k, out)
@@ -144,7 +140,7 @@ def train_stage(
     from selfplay.train.model_card import annotate
 
     annotate(out, name=cfg.name, round=k)
-    return _record(
+    return StageRecord.since(
         started,
         artifacts={"model": str(result.model_dir), "metrics": str(result.metrics_path)},
         info={**_train_info(result.steps), "updates": result.updates, "peak_rss_mb": rss},
