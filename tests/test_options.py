@@ -273,7 +273,7 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
         "max_length",
         "keep_degenerate", "invalid_penalty", "train", "warm_start", "warm_start_lr",
         "warm_start_epochs", "warm_start_mini_batch_size", "eval_scenarios", "eval_seed",
-        "loggers",
+        "loggers", "algorithm", "ei_top_k", "ei_min_reward",
     }  # fmt: skip
     assert set(dump["train"]) == {
         "lr", "batch_size", "mini_batch_size", "updates_per_round", "micro_batch_size",

@@ -29,6 +29,32 @@ def scripted_name(spec: str) -> str:
     return name
 
 
+def teacher_sources(spec: str, num_games: int) -> tuple[tuple[str, int], ...]:
+    """The teacher sources of ``spec`` as (NAME, GAMES) pairs: ``scripted:NAME`` plays
+    ``num_games`` games; ``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` mixes several scripted
+    teachers, each with its own count (e.g. ``scripted:cooperative:24,scripted:inquisitive:4``
+    puts asking in the cloned model's support at a low rate). ValueError naming the forms."""
+    sources = []
+    for part in spec.split(","):
+        head, sep, count = part.strip().rpartition(":")
+        if sep and head.startswith("scripted:") and count.isdigit():
+            games = int(count)
+            if games < 1:
+                raise ValueError(f"teacher {part!r}: GAMES must be at least 1")
+        elif "," in spec:
+            raise ValueError(
+                f"teacher {part!r}: each source of a mixed teacher is scripted:NAME:GAMES, "
+                "e.g. scripted:cooperative:24,scripted:inquisitive:4"
+            )
+        else:
+            head, games = part.strip(), num_games
+        sources.append((scripted_name(head), games))
+    names = [n for n, _ in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"teacher {spec!r} names a scripted policy twice")
+    return tuple(sources)
+
+
 def teacher_seed(seed: int, index: int) -> int:
     """Scenario seed of teacher game ``index``: even, like training seeds, so never a held-out
     evaluation scenario (those are odd), and in its own space apart from generate's."""
@@ -47,9 +73,12 @@ def play_teacher_games(
     seed: int,
     table_size: int,
     max_actions: int,
+    first: int = 0,
 ) -> list[GameRecord]:
     """``num_games`` games of scripted ``teacher`` (against ``partner``, else itself) on fresh
-    training scenarios, its cloned seats recorded token-exactly under ``chat``."""
+    training scenarios (teacher game indices ``first``, ``first + 1``, ...: a second source of a
+    mixed warm start starts where the first ended, so no two games share a scenario), its cloned
+    seats recorded token-exactly under ``chat``."""
     from selfplay.game.matching.rules import generate_scenario
     from selfplay.game.matching.scripted import make_scripted
     from selfplay.generate.play import play_game
@@ -62,7 +91,7 @@ def play_teacher_games(
 
     async def run() -> list[GameRecord]:
         records = []
-        for i in range(num_games):
+        for i in range(first, first + num_games):
             sseed = teacher_seed(seed, i)
             scenario = generate_scenario(sseed, table_size)
             gseed = derive_seed(SFT_SPACE, seed, i)

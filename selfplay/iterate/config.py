@@ -89,10 +89,23 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         4, ge=2, description="Games per scenario: a GRPO group compares them (at least 2)."
     )
     train: TrainOptions = TrainOptions()
+    algorithm: Literal["grpo", "expert-iteration"] = Field(
+        "grpo",
+        description="What a round trains on its games: grpo (every game, by its reward relative "
+        "to its group) or expert-iteration (the best games of each scenario, see --ei-top-k and "
+        "--ei-min-reward, cloned with the SFT loss at --lr).",
+    )
+    ei_top_k: int = Field(
+        1, ge=1, description="expert-iteration: games kept per scenario at most (the best ones)."
+    )
+    ei_min_reward: float = Field(
+        0.5, description="expert-iteration: a kept game's reward is at least this."
+    )
     warm_start: str | None = Field(
         None,
         description="Before round 0: scripted:NAME:GAMES (behaviour cloning of a scripted policy "
-        "on GAMES games, e.g. scripted:cooperative:400) or a model dir to start from.",
+        "on GAMES games, e.g. scripted:cooperative:400; several joined by commas mix teachers: "
+        "scripted:cooperative:24,scripted:inquisitive:4) or a model dir to start from.",
     )
     warm_start_lr: float = Field(1e-4, gt=0.0, description="Warm start: SFT learning rate.")
     warm_start_epochs: int = Field(1, ge=1, description="Warm start: passes over its rows.")
@@ -170,6 +183,9 @@ ADDED_LATER = {
     "eval_scenarios": 0,
     "eval_seed": 7,
     "game": DEFAULT_GAME,
+    "algorithm": "grpo",
+    "ei_top_k": 1,
+    "ei_min_reward": 0.5,
 }
 
 
@@ -204,16 +220,21 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_warm_start(spec: str) -> tuple[str, int]:
-    """``scripted:NAME:GAMES`` -> (NAME, GAMES); ValueError naming the accepted forms."""
+def parse_warm_start(spec: str) -> tuple[tuple[str, int], ...]:
+    """``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` -> ((NAME, GAMES), ...); ValueError naming
+    the accepted forms."""
     from selfplay.game.matching.scripted import SCRIPTED_NAMES
+    from selfplay.generate.teacher import teacher_sources
 
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[1] not in SCRIPTED_NAMES or not parts[2].isdigit():
-        raise ValueError(
-            f"warm start {spec!r} must be scripted:NAME:GAMES (NAME one of "
-            f"{', '.join(SCRIPTED_NAMES)}, e.g. scripted:cooperative:1000) or a model directory"
-        )
-    if int(parts[2]) < 1:
-        raise ValueError(f"warm start {spec!r}: GAMES must be at least 1")
-    return parts[1], int(parts[2])
+    example = "e.g. scripted:cooperative:1000, or scripted:cooperative:24,scripted:inquisitive:4"
+    for part in spec.split(","):
+        head, sep, count = part.strip().rpartition(":")
+        if not (sep and head.startswith("scripted:") and count.isdigit()):
+            raise ValueError(
+                f"warm start {spec!r} must be scripted:NAME:GAMES, several joined by commas (NAME "
+                f"one of {', '.join(SCRIPTED_NAMES)}; {example}), or a model directory"
+            )
+    try:
+        return teacher_sources(spec, 0)
+    except ValueError as e:
+        raise ValueError(f"warm start: {e}") from None

@@ -37,13 +37,12 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
     from selfplay.iterate.sft import SFTConfig, sft
 
     assert cfg.warm_start is not None
-    name, games = parse_warm_start(cfg.warm_start)
+    parse_warm_start(cfg.warm_start)  # checked by the config; each source has its own games
     result = sft(
         SFTConfig(
             model=cfg.model,
             out=cfg.warm_start_dir,
-            teacher=f"scripted:{name}",
-            num_games=games,
+            teacher=cfg.warm_start,
             lr=cfg.warm_start_lr,
             epochs=cfg.warm_start_epochs,
             mini_batch_size=cfg.warm_start_mini_batch_size,
@@ -54,6 +53,7 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
     losses = [s.loss for s in result.steps]
     return {
         "rows": result.rows,
+        "rows_by_source": result.sources,
         "updates": result.steps[-1].step if result.steps else 0,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,

@@ -67,7 +67,7 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
             if (held := heldout_stage(config, k, model, run.manifest)) is not None:
                 run.record_heldout(k, *held)
             rnd = run.start_round(k, model)
-            for name, stage in stages(generate):
+            for name, stage in stages(config, generate):
                 if name not in rnd.stages:
                     run.record(k, name, stage(config, k, model, rnd.stages))
             prune_checkpoints(config, run.manifest)

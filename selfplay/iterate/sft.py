@@ -4,9 +4,11 @@
 with verl's SFT loss on the same workers as ``selfplay train`` (``train.sft.train_sft``):
 
 - ``teacher="scripted:NAME"``: plays ``num_games`` games of the scripted policy against itself
-  (or ``partner``) on fresh training scenarios; the cloned seats (``clone``: both, 1 or 2) are
-  recorded by ``TeacherPlayer`` exactly as the LLM player would record the model playing those
-  moves (the model's own chat format, mask 1 on the action tokens and the end-of-turn token);
+  (or ``partner``) on fresh training scenarios; ``teacher="scripted:A:24,scripted:B:4"`` mixes
+  teachers, each with its own number of games (its rows are counted apart in ``sources``); the
+  cloned seats (``clone``: both, 1 or 2) are recorded by ``TeacherPlayer`` exactly as the LLM
+  player would record the model playing those moves (the model's own chat format, mask 1 on the
+  action tokens and the end-of-turn token);
 - ``games=PATH``: a games.jsonl of our own games, keeping the trained seats of games whose reward
   is at least ``min_reward`` (filtered behaviour cloning);
 - ``human_data=PATH``: the DialOp human games (``optimization.jsonl``, 8x8), both seats replayed
@@ -36,7 +38,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
 from selfplay.generate.config import TableSize
-from selfplay.generate.teacher import filtered_games, play_teacher_games, scripted_name
+from selfplay.generate.teacher import (
+    filtered_games,
+    play_teacher_games,
+    scripted_name,
+    teacher_sources,
+)
 from selfplay.hardware import ComputeDtype
 from selfplay.records import GameRecord, append_records
 from selfplay.train.config import (
@@ -68,7 +75,8 @@ class SFTConfig(BaseModel):
     teacher: str | None = Field(
         None,
         description="Clone a scripted policy: scripted:NAME (cooperative, no-talk, shy, random, "
-        "inquisitive).",
+        "inquisitive), --num-games games; or several, each with its games: "
+        "scripted:cooperative:24,scripted:inquisitive:4.",
     )
     partner: str | None = Field(
         None,
@@ -108,9 +116,10 @@ class SFTConfig(BaseModel):
     def _sources(self) -> SFTConfig:
         if self.teacher is None and self.games is None and self.human_data is None:
             raise ValueError("give at least one source: teacher, games or human_data")
-        for name in (self.teacher, self.partner):
-            if name is not None:
-                scripted_name(name)
+        if self.teacher is not None:
+            teacher_sources(self.teacher, self.num_games)
+        if self.partner is not None:
+            scripted_name(self.partner)
         return self
 
     @property
@@ -142,24 +151,29 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         tables.append(table)
 
     if config.teacher is not None:
-        records = play_teacher_games(
-            chat,
-            **config.model_dump(
-                include={"teacher", "partner", "clone", "num_games", "seed", "table_size"}
-                | {"max_actions"}
-            ),
-        )
         games_path = data / "games.jsonl"
         games_path.unlink(missing_ok=True)
-        append_records(games_path, records)
-        rewards = [r.reward for r in records]
-        log.info(
-            "teacher %s: %d games, mean reward %.3f",
-            config.teacher,
-            len(records),
-            sum(rewards) / len(rewards),
-        )
-        add(f"teacher {config.teacher}", records)
+        first = 0
+        for name, num_games in teacher_sources(config.teacher, config.num_games):
+            records = play_teacher_games(
+                chat,
+                teacher=name,
+                num_games=num_games,
+                first=first,
+                **config.model_dump(
+                    include={"partner", "clone", "seed", "table_size", "max_actions"}
+                ),
+            )
+            first += num_games
+            append_records(games_path, records)
+            rewards = [r.reward for r in records]
+            log.info(
+                "teacher scripted:%s: %d games, mean reward %.3f",
+                name,
+                len(records),
+                sum(rewards) / len(rewards),
+            )
+            add(f"teacher scripted:{name}", records)
     if config.games is not None:
         if not config.games.is_file():
             raise SFTError(f"--games {config.games} does not exist")

@@ -109,7 +109,8 @@ def convert_stage(
 def train_stage(
     cfg: IterateConfig, k: int, model: str, done: dict[str, StageRecord]
 ) -> StageRecord:
-    """GRPO on round ``k``'s rows from ``model`` into ``checkpoint_dir(k)``, in a child."""
+    """GRPO on round ``k``'s rows from ``model`` into ``checkpoint_dir(k)``, in a child (with
+    ``--algorithm expert-iteration``: the SFT loss on the kept games' rows)."""
     started = time.time()
     _hold(cfg.run_dir, "train")
     if done["convert"].skip_reason:
@@ -135,8 +136,8 @@ def train_stage(
         max_length=cfg.max_length,
         **options,
     )
-    log.info("round %d: training on %s", k, tcfg.data)
-    result, rss = isolated(_train, tcfg)
+    log.info("round %d: training on %s (%s)", k, tcfg.data, cfg.algorithm)
+    result, rss = isolated(_train_sft if cfg.algorithm == "expert-iteration" else _train, tcfg)
     from selfplay.train.model_card import annotate
 
     annotate(out, name=cfg.name, round=k)
@@ -150,12 +151,18 @@ def train_stage(
 Stage = Callable[[IterateConfig, int, str, dict[str, StageRecord]], StageRecord]
 
 
-def stages(generate: Generate = _default_generate) -> tuple[tuple[str, Stage], ...]:
+def stages(
+    cfg: IterateConfig, generate: Generate = _default_generate
+) -> tuple[tuple[str, Stage], ...]:
     """A round's stages in order: each takes (config, round, model, the round's finished
-    stages) and returns its record; the loop records it (and nothing else writes the manifest)."""
+    stages) and returns its record; the loop records it (and nothing else writes the manifest).
+    Expert iteration's convert keeps the best games (``expert.select_stage``)."""
+    from selfplay.iterate.expert import select_stage
+
+    expert = cfg.algorithm == "expert-iteration"
     return (
         ("generate", functools.partial(generate_stage, generate=generate)),
-        ("convert", convert_stage),
+        ("convert", select_stage if expert else convert_stage),
         ("train", train_stage),
     )
 
@@ -195,16 +202,23 @@ def _train(tcfg: TrainConfig):
     return train(tcfg)  # it logs a line per optimizer update
 
 
+def _train_sft(tcfg: TrainConfig):
+    from selfplay.train.sft import train_sft
+
+    return train_sft(tcfg)
+
+
 def _train_info(steps) -> dict[str, float]:
     if not steps:
         return {}
 
     def mean(attr):
-        vals = [getattr(s, attr) for s in steps if getattr(s, attr) is not None]
+        vals = [v for s in steps if (v := getattr(s, attr, None)) is not None]
         return float(np.mean(vals)) if vals else None
 
     return {
         "steps": len(steps),
+        "loss": mean("loss"),  # expert iteration: the SFT loss
         "pg_loss": mean("pg_loss"),
         "kl": mean("kl"),
         "ppo_kl": mean("ppo_kl"),

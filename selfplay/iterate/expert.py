@@ -1,0 +1,125 @@
+"""Expert iteration (``--algorithm expert-iteration``): a round samples many games with the current
+model, keeps the best of each scenario, and clones them with the SFT loss.
+
+This is filtered behaviour cloning on the model's own games (Liao, Tomlin & Klein, "Efficacy of
+Language Model Self-Play in Non-Zero-Sum Games", arXiv 2406.18872; RAFT; ReST). GRPO moves the
+policy by the reward differences inside a group, and at CPU scale most of that gradient is noise;
+expert iteration turns the same games into a supervised signal with no advantage to estimate: the
+kept games are trained on as if a teacher had played them.
+
+The rule (``select_games``): a game is kept when it is among the ``top_k`` best games of its
+scenario (highest reward first; ties go to the earlier game in plan order) and its reward is at
+least ``min_reward``. With the defaults (top 1, reward >= 0.5) each scenario gives at most its
+best game, and only when that game reached an agreement worth at least half the best assignment:
+a failed game is never cloned, whatever its scenario's other games did.
+
+The round's stages keep their names (generate, convert, train) so resume, metrics and the report
+read an expert-iteration run as any other: the ``convert`` stage writes ``round_K/selected.jsonl``
+(the kept games, byte for byte as generate wrote them) and ``round_K/train.parquet`` (their
+trained seats' rows, cut as ``convert`` cuts them); the ``train`` stage runs verl's SFT loss on
+those rows (``train.sft.train_sft``, as ``selfplay sft`` and the warm start do) at ``--lr``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from selfplay.convert import ConvertConfig, ConvertOptions, rows_table
+from selfplay.fileio import atomic_write
+from selfplay.iterate.child import _hold
+from selfplay.iterate.config import IterateConfig
+from selfplay.manifest import StageRecord
+from selfplay.records import GameRecord, iter_game_records
+
+log = logging.getLogger(__name__)
+
+
+def select_games(records: Iterable[GameRecord], top_k: int, min_reward: float) -> list[GameRecord]:
+    """The games expert iteration keeps, in their input order: per scenario the ``top_k`` with
+    the highest reward (ties: the earlier game), of those with reward >= ``min_reward``."""
+    records = list(records)
+    by_scenario: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(records):
+        by_scenario[r.scenario_id].append(i)
+    kept: set[int] = set()
+    for indices in by_scenario.values():
+        ranked = sorted(indices, key=lambda i: (-records[i].reward, i))
+        kept.update(i for i in ranked[:top_k] if records[i].reward >= min_reward)
+    return [r for i, r in enumerate(records) if i in kept]
+
+
+def select_stage(
+    cfg: IterateConfig, k: int, model: str, done: dict[str, StageRecord]
+) -> StageRecord:
+    """Round ``k``'s games -> the kept games and their rows; skipped (with the reason) when no
+    game passes the rule."""
+    started = time.time()
+    _hold(cfg.run_dir, "convert")
+    rdir = cfg.round_dir(k)
+    games = list(iter_game_records(rdir / "games.jsonl"))
+    kept = select_games(games, cfg.ei_top_k, cfg.ei_min_reward)
+    kept_ids = {r.game_id for r in kept}
+    lines = [
+        line
+        for line in (rdir / "games.jsonl").read_bytes().splitlines(keepends=True)
+        if line.strip() and _game_id(line) in kept_ids
+    ]
+    atomic_write(rdir / "selected.jsonl", b"".join(lines))
+    cut = ConvertConfig(
+        games=rdir / "selected.jsonl",
+        out=rdir,
+        **cfg.model_dump(include=set(ConvertOptions.model_fields)),
+    )
+    table, counts = rows_table(kept, cut)
+    info = {
+        "games": len(games),
+        "games_kept": len(kept),
+        "scenarios": len({r.scenario_id for r in games}),
+        "reward_mean_all": _mean(r.reward for r in games),
+        "reward_mean_kept": _mean(r.reward for r in kept),
+        "rows_train": table.num_rows,
+        "rows_too_long": counts["too_long"],
+    }
+    log.info(
+        "round %d: kept %d of %d games (top %d per scenario, reward >= %s): mean reward %.3f "
+        "of all, %.3f of the kept; %d rows",
+        k,
+        len(kept),
+        len(games),
+        cfg.ei_top_k,
+        cfg.ei_min_reward,
+        info["reward_mean_all"] or 0.0,
+        info["reward_mean_kept"] or 0.0,
+        table.num_rows,
+    )
+    if table.num_rows == 0:
+        return StageRecord.since(started, skip_reason="no game passed the rule", info=info)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    path = atomic_write(rdir / "train.parquet", sink.getvalue().to_pybytes())
+    return StageRecord.since(
+        started,
+        artifacts={"train": str(path), "selected": str(rdir / "selected.jsonl")},
+        info=info,
+    )
+
+
+def _game_id(line: bytes) -> str | None:
+    import orjson
+
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return obj.get("game_id") if isinstance(obj, dict) else None
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,180 @@
+"""Expert iteration: the selection rule, an iterate run with it on the real verl SFT update (rows =
+the kept games' own actions), its resume after SIGKILL, and the mixed warm start's sources."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from selfplay.iterate.expert import select_games
+from selfplay.players.llm import load_chat_format
+from selfplay.records import iter_game_records
+from tests.test_iterate import _cmd, _kill_when, _lines, _run, _start
+from tests.test_sft import _assert_rows_are_the_games_actions
+
+
+def _games(rewards: dict[str, list[float]]) -> list[SimpleNamespace]:
+    return [
+        SimpleNamespace(game_id=f"{s}-g{i}", scenario_id=s, reward=r)
+        for s, rs in rewards.items()
+        for i, r in enumerate(rs)
+    ]
+
+
+def test_selection_keeps_the_best_of_each_scenario_above_the_threshold():
+    games = _games(
+        {"a": [0.2, 0.9, 0.9, 0.6], "b": [0.0, 0.4, 0.3, 0.1], "c": [1.0, 0.5, 0.7, 0.8]}
+    )
+    ids = lambda kept: [g.game_id for g in kept]  # noqa: E731
+    assert ids(select_games(games, 1, 0.5)) == ["a-g1", "c-g0"]  # a tie goes to the earlier game
+    assert ids(select_games(games, 2, 0.5)) == ["a-g1", "a-g2", "c-g0", "c-g3"]
+    assert ids(select_games(games, 2, 0.35)) == ["a-g1", "a-g2", "b-g1", "c-g0", "c-g3"]
+    assert ids(select_games(games, 4, 2.0)) == []
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdef"),
+        st.lists(st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]), min_size=1, max_size=8),
+        min_size=1,
+    ),
+    st.integers(1, 4),
+    st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+)
+def test_selection_properties(rewards, k, threshold):
+    games = _games(rewards)
+    kept = select_games(games, k, threshold)
+    assert [g for g in games if g in kept] == kept  # input order
+    for s, rs in rewards.items():
+        mine = [g for g in kept if g.scenario_id == s]
+        eligible = sorted((r for r in rs if r >= threshold), reverse=True)
+        assert sorted((g.reward for g in mine), reverse=True) == eligible[:k]
+
+
+@pytest.fixture(scope="module")
+def ei_run(primed_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ei_ref")
+    _run(_ei_cmd(root, primed_model))
+    return root
+
+
+def _ei_cmd(root: Path, model: Path) -> list[str]:
+    cmd = _cmd(root, model, "ei")
+    cmd[cmd.index("--iterations") + 1] = "1"
+    cmd[cmd.index("--eval-scenarios") + 1] = "0"
+    return [*cmd, "--algorithm", "expert-iteration", "--ei-top-k", "2", "--ei-min-reward", "0.1"]
+
+
+@pytest.mark.slow
+def test_expert_iteration_trains_on_exactly_the_kept_games(ei_run, primed_model):
+    rdir = ei_run / "data" / "ei" / "round_0"
+    games = list(iter_game_records(rdir / "games.jsonl"))
+    want = select_games(games, 2, 0.1)
+    assert 0 < len(want) < len(games), "the run should keep some games and drop others"
+    kept = list(iter_game_records(rdir / "selected.jsonl"))
+    assert [g.game_id for g in kept] == [g.game_id for g in want]
+    rows = pq.read_table(rdir / "train.parquet").to_pylist()
+    # self-play: both seats of every kept game, each row the game's own action tokens on mask 1
+    assert sorted((r["game_id"], r["seat"]) for r in rows) == sorted(
+        (g.game_id, s) for g in kept for s in (0, 1)
+    )
+    _assert_rows_are_the_games_actions(
+        rows, rdir / "selected.jsonl", load_chat_format(str(primed_model))
+    )
+    manifest = json.loads((ei_run / "data" / "ei" / "manifest.json").read_text())
+    stages = manifest["rounds"]["0"]["stages"]
+    assert stages["convert"]["info"]["games_kept"] == len(want)
+    assert stages["train"]["info"]["loss"] > 0 and stages["train"]["info"]["pg_loss"] is None
+    model = ei_run / "checkpoints" / "ei" / "round_0"
+    assert json.loads((model / "metrics.json").read_text())["algorithm"] == "sft"
+    assert _sha(model) != _sha(primed_model)
+
+
+@pytest.mark.slow
+def test_expert_iteration_resumes_after_sigkill(ei_run, primed_model, tmp_path):
+    cmd = _ei_cmd(tmp_path, primed_model)
+    run = tmp_path / "data" / "ei"
+    proc = _start(cmd)  # mid-generate
+    _kill_when(proc, lambda: _lines(run / "round_0" / "games.jsonl") >= 3)
+    proc = _start(cmd, SELFPLAY_HOLD_BEFORE="convert")  # at the selection
+    _kill_when(proc, lambda: (run / "holding_convert").exists())
+    (run / "holding_convert").unlink()
+    proc = _start(cmd)  # mid-SFT
+    _kill_when(proc, lambda: (tmp_path / "checkpoints" / "ei" / ".round_0.partial").exists())
+    _run(cmd)
+    for name in ("selected.jsonl",):
+        got = (run / "round_0" / name).read_bytes()
+        want = (ei_run / "data" / "ei" / "round_0" / name).read_bytes()
+        assert _game_ids(got) == _game_ids(want)
+    cols = ["game_id", "seat", "prompt_ids", "response_ids", "response_mask"]
+    got = pq.read_table(run / "round_0" / "train.parquet").select(cols).to_pylist()
+    want = pq.read_table(ei_run / "data" / "ei" / "round_0" / "train.parquet")
+    assert got == want.select(cols).to_pylist()
+    assert _sha(tmp_path / "checkpoints" / "ei" / "round_0") == _sha(
+        ei_run / "checkpoints" / "ei" / "round_0"
+    )
+
+
+def _game_ids(data: bytes) -> list[str]:
+    return [json.loads(line)["game_id"] for line in data.splitlines()]
+
+
+def _sha(model: Path) -> str:
+    return hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_mixed_warm_start_has_the_requested_games_of_each_source(tiny_model, tmp_path):
+    from selfplay.iterate.sft import SFTConfig, build_rows
+
+    chat = load_chat_format(str(tiny_model))
+    cfg = SFTConfig(
+        model=str(tiny_model),
+        out=tmp_path / "m",
+        teacher="scripted:cooperative:3,scripted:inquisitive:2",
+        mini_batch_size=2,
+    )
+    path, sources = build_rows(cfg, chat)
+    games = list(iter_game_records(cfg.data_dir / "games.jsonl"))
+    assert Counter(g.seats[0].name for g in games) == {"cooperative": 3, "inquisitive": 2}
+    assert sources == {"teacher scripted:cooperative": 6, "teacher scripted:inquisitive": 4}
+    assert len({g.scenario_id for g in games}) == 5  # no scenario twice
+    assert pq.read_metadata(path).num_rows == 10
+    # the first source plays the games a single teacher of that name would
+    single = SFTConfig(
+        model=str(tiny_model),
+        out=tmp_path / "s",
+        teacher="scripted:cooperative",
+        num_games=3,
+        mini_batch_size=2,
+    )
+    build_rows(single, chat)
+    one = [g.game_id for g in iter_game_records(single.data_dir / "games.jsonl")]
+    assert one == [g.game_id for g in games[:3]]
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        ("scripted:cooperative:24,scripted:shy", "scripted:NAME:GAMES"),
+        ("scripted:cooperative:2,scripted:cooperative:3", "twice"),
+        ("scripted:nobody:3", "must be scripted:NAME"),
+        ("scripted:cooperative:0", "at least 1"),
+    ],
+)
+def test_a_bad_mixed_warm_start_is_a_clear_error(spec, error):
+    from selfplay.iterate.config import parse_warm_start
+
+    with pytest.raises(ValueError, match=error):
+        parse_warm_start(spec)
+    assert parse_warm_start("scripted:cooperative:24,scripted:inquisitive:4") == (
+        ("cooperative", 24),
+        ("inquisitive", 4),
+    )
