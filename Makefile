@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn shy bench
+.PHONY: setup test lint demo learn shy ask bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables: a warm start (behaviour cloning of the
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
@@ -27,6 +27,17 @@ SHY_ARGS ?= --name shy --table-size 3 --partner scripted:shy --warm-start script
 	--games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-5 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
+# Does the model learn to ask (at most an hour)? A warm start that mixes a few inquisitive games
+# (it asks) into cooperative ones (it never does), then expert iteration against scripted:shy in
+# seat 2: each round samples 8 games on each of 6 scenarios and clones the best 2 of each (reward
+# >= 0.5) with the SFT loss; 48 held-out scenarios against the same partner. See README, "Asking".
+ASK_ARGS ?= --name ask --table-size 3 --partner scripted:shy \
+	--warm-start scripted:cooperative:24,scripted:inquisitive:6 --warm-start-lr 2e-4 \
+	--algorithm expert-iteration --ei-top-k 2 --ei-min-reward 0.5 --iterations 4 \
+	--games-per-iter 48 --games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 \
+	--max-actions 20 --lr 1e-4 --epochs-per-iter 2 --updates-per-round 3 --eval-scenarios 48 \
+	--micro-batch-size 4
+
 setup:
 	bash scripts/setup.sh
 
@@ -45,6 +56,9 @@ learn: setup
 
 shy: setup
 	.venv/bin/selfplay iterate $(SHY_ARGS)
+
+ask: setup
+	.venv/bin/selfplay iterate $(ASK_ARGS)
 
 bench: setup
 	.venv/bin/python benchmarks/bench_scenarios.py
