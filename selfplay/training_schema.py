@@ -24,6 +24,9 @@ TRAINING_SCHEMA = pa.schema(
         pa.field("response_mask", pa.list_(pa.int8()), nullable=False),
         pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("reward", pa.float32(), nullable=False),
+        # a guide's row (a scripted player's turns recorded as the model's, --guide): trained
+        # off-policy with LUFFY's policy shaping; absent in files written before it (all False)
+        pa.field("off_policy", pa.bool_()),
         pa.field("tokenizer_fingerprint", pa.string()),
         pa.field(
             "messages",

@@ -53,6 +53,7 @@ class Row(NamedTuple):
     tokenizer_fingerprint: str | None
     messages: list[dict[str, str]]
     n_prompt_messages: int
+    off_policy: bool = False  # a scripted guide's turns (a trained seat of kind "scripted")
 
 
 class RecordRows(NamedTuple):
@@ -84,6 +85,7 @@ class _SeatLists(NamedTuple):
     logprobs: list
     messages: Any
     fingerprint: Any
+    off_policy: bool  # the seat was played by a scripted guide/teacher, not the model
 
 
 class _Drop(Enum):
@@ -137,15 +139,19 @@ def rows_of_record(record: GameRecord, config: ConvertConfig) -> RecordRows:
         offender,
     )
     seats = (
-        (seat, _seat_lists(t)) for seat, t in enumerate(record.tokens) if record.seats[seat].trained
+        (seat, _seat_lists(t, record.seats[seat].kind))
+        for seat, t in enumerate(record.tokens)
+        if record.seats[seat].trained
     )
     return _rows(game, seats, config, from_json=False)
 
 
-def _seat_lists(t: SeatTokens | None) -> _SeatLists | None:
+def _seat_lists(t: SeatTokens | None, kind: str) -> _SeatLists | None:
     if t is None:
         return None
-    return _SeatLists(t.token_ids, t.mask, t.logprobs, t.messages, t.tokenizer_fingerprint)
+    return _SeatLists(
+        t.token_ids, t.mask, t.logprobs, t.messages, t.tokenizer_fingerprint, kind == "scripted"
+    )
 
 
 def parse_record(obj: dict) -> GameRecord:
@@ -205,6 +211,7 @@ def _json_seats(seats: list, tokens: list) -> Iterator[tuple[int, _SeatLists | N
                 _need(tok, "logprobs", list, where),
                 tok.get("messages") or [],
                 tok.get("tokenizer_fingerprint"),
+                seat_cfg.get("kind") == "scripted",
             ),
         )
 
@@ -306,4 +313,5 @@ def _cut(
             (i for i, m in enumerate(messages) if m["role"] == "assistant"),
             len(messages),
         ),
+        off_policy=tok.off_policy,
     )

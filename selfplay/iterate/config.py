@@ -101,6 +101,20 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     ei_min_reward: float = Field(
         0.5, description="expert-iteration: a kept game's reward is at least this."
     )
+    guide: str | None = Field(
+        None,
+        description="GRPO: add games of a scripted guide (scripted:NAME, e.g. "
+        "scripted:inquisitive) on each scenario to its group, trained off-policy with LUFFY's "
+        "shaped loss (--guide-gamma).",
+    )
+    guide_games: int = Field(2, ge=1, description="--guide: guide games per scenario.")
+    guide_when: Literal["always", "failed"] = Field(
+        "always",
+        description="--guide: on every scenario, or only where every own game scored 0.",
+    )
+    guide_rounds: int | None = Field(
+        None, ge=1, description="--guide: only in the first N rounds (default: every round)."
+    )
     warm_start: str | None = Field(
         None,
         description="Before round 0: scripted:NAME:GAMES (behaviour cloning of a scripted policy "
@@ -147,6 +161,28 @@ class IterateConfig(GenerateOptions, ConvertOptions):
                 raise ValueError(str(e)) from None
         return v
 
+    @model_validator(mode="after")
+    def _guide(self) -> IterateConfig:
+        if self.guide is None:
+            return self
+        from selfplay.game import get_game
+        from selfplay.players.partners import OpenAIPartner, parse_partner
+
+        game = get_game(self.game)
+        kind, _, name = self.guide.partition(":")
+        if kind != "scripted" or name not in game.scripted_names:
+            raise ValueError(
+                f"guide: {self.guide!r} must be scripted:NAME with NAME one of "
+                f"{', '.join(game.scripted_names)}"
+            )
+        if self.algorithm != "grpo":
+            raise ValueError(
+                "guide: guided groups are GRPO's; drop --guide or use --algorithm grpo"
+            )
+        if isinstance(parse_partner(self.partner, game.scripted_names), OpenAIPartner):
+            raise ValueError("guide: a guide plays with a scripted partner or itself, not an API")
+        return self
+
     @property
     def warm_start_dir(self) -> Path:
         return self.checkpoint_root / self.name / "warm_start"
@@ -186,6 +222,10 @@ ADDED_LATER = {
     "algorithm": "grpo",
     "ei_top_k": 1,
     "ei_min_reward": 0.5,
+    "guide": None,
+    "guide_games": 2,
+    "guide_when": "always",
+    "guide_rounds": None,
 }
 
 
@@ -194,6 +234,7 @@ TRAIN_ADDED_LATER = {
     "updates_per_round": 4,
     "entropy_coef": 0.0,
     "dtype": "auto",  # older runs stored None, read as auto
+    "guide_gamma": 0.1,
 }
 
 

@@ -78,11 +78,16 @@ def convert_stage(
 ) -> StageRecord:
     """Round ``k``'s games -> its training rows; skipped (with the reason) when no group has a
     signal."""
+    from selfplay.iterate.guided import guide_active, write_guided_games
+
     started = time.time()
     _hold(cfg.run_dir, "convert")
     rdir = cfg.round_dir(k)
+    games, guided = rdir / "games.jsonl", {}
+    if guide_active(cfg, k):
+        games, guided = write_guided_games(cfg, k, model)
     conv_cfg = ConvertConfig(
-        games=rdir / "games.jsonl",
+        games=games,
         out=rdir,
         **cfg.model_dump(include=set(ConvertOptions.model_fields)),
     )
@@ -90,7 +95,7 @@ def convert_stage(
         summary = convert(conv_cfg)
     except NoSignalError as e:
         log.warning("round %d: %s; skipping the update, the model carries forward", k, e)
-        return StageRecord.since(started, skip_reason=str(e))
+        return StageRecord.since(started, skip_reason=str(e), info=guided)
     flat = summary.groups_train_with_signal == 0
     return StageRecord.since(
         started,
@@ -102,6 +107,7 @@ def convert_stage(
             "rows_written": summary.rows_written,
             "groups_written": summary.groups_written,
             "groups_degenerate_dropped": summary.groups_degenerate_dropped,
+            **guided,
         },
     )
 

@@ -10,7 +10,8 @@ unit-testable. The tensor layout is verl's ``update_actor`` contract:
   environment tokens inside the response are 0 and stay visible as context through the
   attention mask;
 - ``token_level_rewards`` [B, R]: the row's scalar reward on its last mask-1 token, 0 elsewhere;
-- ``rollout_log_probs`` [B, R]: the generator's log-probs, 0 where the mask is 0.
+- ``rollout_log_probs`` [B, R]: the generator's log-probs, 0 where the mask is 0;
+- ``off_policy`` [B, R] (only when some row is a guide's): 1 on a guide row's mask-1 tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ REQUIRED_COLUMNS = (
     "reward",
     "tokenizer_fingerprint",
 )
+OPTIONAL_COLUMNS = ("off_policy",)  # absent in files written before guided groups
 
 
 class TrainDataError(UserError, ValueError):
@@ -72,7 +74,8 @@ def read_rows(path: str | Path) -> pa.Table:
             f"{path} does not match the training-row schema: {'; '.join(problems)}. "
             "Write it with `selfplay convert` (selfplay.records.TRAINING_SCHEMA)"
         )
-    table = pq.read_table(path, columns=list(REQUIRED_COLUMNS))
+    optional = [name for name in OPTIONAL_COLUMNS if name in schema.names]
+    table = pq.read_table(path, columns=[*REQUIRED_COLUMNS, *optional])
     if table.num_rows == 0:
         raise TrainDataError(f"{path} has no rows; generate more games and convert them again")
     return table
@@ -111,6 +114,7 @@ class Rows:
     masks: list[list[int]]
     rollout_logprobs: list[list[float]]
     rewards: np.ndarray  # [N] float32
+    off_policy: np.ndarray | None = None  # [N] bool: a guide's row; None: none is
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -124,6 +128,7 @@ class Rows:
             masks=[self.masks[i] for i in idx],
             rollout_logprobs=[self.rollout_logprobs[i] for i in idx],
             rewards=self.rewards[idx],
+            off_policy=None if self.off_policy is None else self.off_policy[idx],
         )
 
 
@@ -137,6 +142,7 @@ def rows_from_table(table: pa.Table, max_length: int | None = None, *, groups: b
         masks=table.column("response_mask").to_pylist(),
         rollout_logprobs=table.column("rollout_logprobs").to_pylist(),
         rewards=np.asarray(table.column("reward").to_pylist(), dtype=np.float32),
+        off_policy=_off_policy(table),
     )
     for i in range(len(rows)):
         p, r, m, lp = rows.prompts[i], rows.responses[i], rows.masks[i], rows.rollout_logprobs[i]
@@ -173,6 +179,14 @@ def rows_from_table(table: pa.Table, max_length: int | None = None, *, groups: b
     return rows
 
 
+def _off_policy(table: pa.Table) -> np.ndarray | None:
+    """The rows' guide flags (None when the file has no guide row or predates the column)."""
+    if "off_policy" not in table.column_names:
+        return None
+    flags = np.asarray(table.column("off_policy").fill_null(False).to_pylist(), dtype=bool)
+    return flags if flags.any() else None
+
+
 def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
     """Pad rows into verl's tensor layout (see the module docstring)."""
     b = len(rows)
@@ -197,7 +211,7 @@ def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
             last_own = int(torch.nonzero(mask)[-1])
             rewards[i, last_own] = float(rows.rewards[i])
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return {
+    batch = {
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
@@ -207,6 +221,10 @@ def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
         "rollout_log_probs": rollout_lp,
         "token_level_rewards": rewards,
     }
+    if rows.off_policy is not None:
+        flags = torch.from_numpy(rows.off_policy.astype(np.float32))[:, None]
+        batch["off_policy"] = flags * response_mask.float()
+    return batch
 
 
 def grpo_advantages(

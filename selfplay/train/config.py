@@ -78,6 +78,13 @@ class TrainerOptions(BaseModel):
         0.0, ge=0.0, description="KL loss weight against the starting model (0: none)."
     )
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus in the GRPO loss.")
+    guide_gamma: float = Field(
+        0.1,
+        gt=0.0,
+        description="Guide rows (iterate --guide): LUFFY's policy shaping p / (p + gamma) of "
+        "each guide token's probability p replaces the clipped ratio; smaller gamma pushes "
+        "harder on the guide tokens the model finds unlikely.",
+    )
     rollout_is: RolloutIS = Field(
         "none",
         description="none: actor log-probs only; tis: truncated importance sampling against the "

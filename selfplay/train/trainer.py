@@ -69,6 +69,7 @@ class StepMetrics:
     tokens_per_s: float
     update_tokens_per_s: float
     rollout_is_mean: float | None = None
+    guide_token_prob: float | None = None  # guided groups: mean probability of guide tokens
 
     def line(self, total: int) -> str:
         return (
@@ -391,11 +392,27 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
             tokens_per_s=tokens / max(t2 - t0, 1e-9),
             update_tokens_per_s=tokens / max(t2 - t1, 1e-9),
             rollout_is_mean=extra.get("rollout_is_mean"),
+            guide_token_prob=_mean(metrics, "actor/guide_token_prob") if guided else None,
         )
         return sm, len(idx) // p.mini_batch_size
 
     batches = ((e, idx) for e in range(cfg.epochs) for idx in _epoch_batches(p, e, cfg.seed))
-    prepare = (lambda w: w.load(str(cfg.resume_from))) if cfg.resume_from is not None else None
+    guided = p.rows.off_policy is not None
+    if guided:
+        if cfg.use_ray:
+            raise TrainDataError(
+                "the rows hold guide rows (off_policy), whose loss runs with the local launcher "
+                "only (CPU or one GPU); train on one device or convert without --guide"
+            )
+        log.info("%d guide row(s): LUFFY's shaped loss, gamma %s", p.rows.off_policy.sum(),
+                 cfg.guide_gamma)  # fmt: skip
+
+    def prepare(workers) -> None:
+        if cfg.resume_from is not None:
+            workers.load(str(cfg.resume_from))
+        if guided:
+            workers.use_guided_loss(cfg.guide_gamma)
+
     result = _drive(cfg, len(p.rows), total, batches, one, on_step, prepare=prepare)
     signal = len(np.unique(p.rows.group_ids[p.advantages != 0]))
     _export(cfg, result, [asdict(s) for s in result.steps], groups_with_signal=signal)

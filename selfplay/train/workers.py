@@ -37,6 +37,7 @@ class Workers(Protocol):
         self, batch: dict[str, torch.Tensor], mini_batch_size: int, seed: int, entropy: bool = False
     ) -> dict: ...
     def use_sft_loss(self) -> None: ...
+    def use_guided_loss(self, gamma: float) -> None: ...
     def save(self, path: str, step: int) -> None: ...
     def close(self) -> None: ...
 
@@ -182,6 +183,24 @@ class _Calls:
 
         self.actor.set_loss_fn(partial(sft_loss, config=omega_conf_to_dataclass(self.config.actor)))
 
+    def use_guided_loss(self, gamma: float) -> None:
+        """Train guided GRPO groups: ``update`` batches carry ``off_policy`` [B, R], and those
+        tokens get LUFFY's shaped objective (``selfplay.train.guided``) instead of the clipped
+        ratio. Local workers only: the loss is registered in this process."""
+        from functools import partial
+
+        from omegaconf import OmegaConf
+        from verl.utils.config import omega_conf_to_dataclass
+
+        from selfplay.train import guided
+
+        guided.register()
+        actor = OmegaConf.create(OmegaConf.to_container(self.config.actor))
+        actor.policy_loss.loss_mode = guided.LOSS_MODE
+        self.actor.set_loss_fn(
+            partial(guided.guided_ppo_loss, config=omega_conf_to_dataclass(actor), gamma=gamma)
+        )
+
     def save(self, path: str, step: int) -> None:
         self.actor.save_checkpoint(local_path=path, global_step=step)
 
@@ -205,6 +224,7 @@ _UPDATE_KEYS = (
     "advantages",
     "rollout_is_weights",  # only with --rollout-is tis
     "ref_log_prob",  # only with a KL loss
+    "off_policy",  # only with guide rows
 )
 
 
