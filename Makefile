@@ -27,12 +27,13 @@ SHY_ARGS ?= --name shy --table-size 3 --partner scripted:shy --warm-start script
 	--games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-5 \
 	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 24 --micro-batch-size 4
 
-# Does the model learn to ask (at most an hour)? A warm start that mixes a few inquisitive games
-# (it asks) into cooperative ones (it never does), then expert iteration against scripted:shy in
-# seat 2: each round samples 8 games on each of 6 scenarios and clones the best 2 of each (reward
+# Does the model learn to ask (at most an hour)? A warm start that clones, in seat 1 against
+# scripted:shy, a few inquisitive games (it asks) beside cooperative ones (it never does), then
+# expert iteration against scripted:shy in seat 2: each round samples 8 games on each of 6 scenarios and clones the best 2 of each (reward
 # >= 0.5) with the SFT loss; 48 held-out scenarios against the same partner. See README, "Asking".
 ASK_ARGS ?= --name ask --table-size 3 --partner scripted:shy \
-	--warm-start scripted:cooperative:24,scripted:inquisitive:6 --warm-start-lr 2e-4 \
+	--warm-start scripted:cooperative:24,scripted:inquisitive:8 --warm-start-partner run \
+	--warm-start-lr 2e-4 \
 	--algorithm expert-iteration --ei-top-k 2 --ei-min-reward 0.5 --iterations 4 \
 	--games-per-iter 48 --games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 \
 	--max-actions 20 --lr 1e-4 --epochs-per-iter 2 --updates-per-round 3 --eval-scenarios 48 \

@@ -121,6 +121,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         "on GAMES games, e.g. scripted:cooperative:400; several joined by commas mix teachers: "
         "scripted:cooperative:24,scripted:inquisitive:4) or a model dir to start from.",
     )
+    warm_start_partner: Literal["self", "run"] = Field(
+        "self",
+        description="Warm start: the teacher plays itself (both seats cloned) or the run's "
+        "scripted --partner (run: only the model's seat is cloned, in the seat it will play).",
+    )
     warm_start_lr: float = Field(1e-4, gt=0.0, description="Warm start: SFT learning rate.")
     warm_start_epochs: int = Field(1, ge=1, description="Warm start: passes over its rows.")
     warm_start_mini_batch_size: int = Field(
@@ -160,6 +165,19 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             except ModelNotFound as e:
                 raise ValueError(str(e)) from None
         return v
+
+    @model_validator(mode="after")
+    def _warm_start_partner(self) -> IterateConfig:
+        from selfplay.game import get_game
+        from selfplay.players.partners import ScriptedPartner, parse_partner
+
+        partner = parse_partner(self.partner, get_game(self.game).scripted_names)
+        if self.warm_start_partner == "run" and not isinstance(partner, ScriptedPartner):
+            raise ValueError(
+                "warm_start_partner: run plays the teacher against the run's --partner, which "
+                "must then be scripted:NAME; use self"
+            )
+        return self
 
     @model_validator(mode="after")
     def _guide(self) -> IterateConfig:
@@ -222,6 +240,7 @@ ADDED_LATER = {
     "algorithm": "grpo",
     "ei_top_k": 1,
     "ei_min_reward": 0.5,
+    "warm_start_partner": "self",
     "guide": None,
     "guide_games": 2,
     "guide_when": "always",

@@ -38,11 +38,18 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
 
     assert cfg.warm_start is not None
     parse_warm_start(cfg.warm_start)  # checked by the config; each source has its own games
+    against = {}
+    if cfg.warm_start_partner == "run":  # the teacher in the model's seat, the run's partner
+        from selfplay.players.partners import parse_partner
+
+        partner = parse_partner(cfg.partner, get_game(cfg.game).scripted_names)
+        against = {"partner": f"scripted:{partner.name}", "clone": str(cfg.policy_seat)}
     result = sft(
         SFTConfig(
             model=cfg.model,
             out=cfg.warm_start_dir,
             teacher=cfg.warm_start,
+            **against,
             lr=cfg.warm_start_lr,
             epochs=cfg.warm_start_epochs,
             mini_batch_size=cfg.warm_start_mini_batch_size,
