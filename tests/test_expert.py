@@ -178,3 +178,36 @@ def test_a_bad_mixed_warm_start_is_a_clear_error(spec, error):
         ("cooperative", 24),
         ("inquisitive", 4),
     )
+
+
+def test_a_warm_start_against_the_runs_partner_clones_only_the_models_seat(tiny_model, tmp_path):
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.heldout import warm_start_config
+    from selfplay.iterate.sft import build_rows
+
+    base = dict(
+        name="w",
+        iterations=1,
+        model=str(tiny_model),
+        engine={"kind": "hf", "model": str(tiny_model)},
+        checkpoint_root=tmp_path,
+        table_size=3,
+        warm_start="scripted:cooperative:3,scripted:inquisitive:2",
+        warm_start_mini_batch_size=2,
+    )
+    with pytest.raises(ValueError, match="must then be scripted"):
+        IterateConfig(**base, warm_start_partner="run")  # self-play has no partner to play
+    cfg = IterateConfig(**base, warm_start_partner="run", partner="scripted:shy", policy_seat=2)
+    sft_cfg = warm_start_config(cfg)
+    assert (sft_cfg.partner, sft_cfg.clone) == ("scripted:shy", "2")
+    path, sources = build_rows(sft_cfg, load_chat_format(str(tiny_model)))
+    games = list(iter_game_records(sft_cfg.data_dir / "games.jsonl"))
+    assert [(g.seats[0].name, g.seats[1].name) for g in games] == [("shy", "cooperative")] * 3 + [
+        ("shy", "inquisitive")
+    ] * 2
+    rows = pq.read_table(path).to_pylist()
+    assert [r["seat"] for r in rows] == [1] * 5 and sources == {
+        "teacher scripted:cooperative": 3,
+        "teacher scripted:inquisitive": 2,
+    }
+    assert warm_start_config(cfg.model_copy(update={"warm_start_partner": "self"})).clone == "both"

@@ -32,9 +32,9 @@ def _heldout_baselines(name: str) -> tuple[str, ...]:
     return (*names, "inquisitive") if game is MATCHING else names
 
 
-def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
-    """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
-    from selfplay.iterate.sft import SFTConfig, sft
+def warm_start_config(cfg: IterateConfig):
+    """The ``selfplay sft`` config of the run's warm start (``scripted:NAME:GAMES[,...]``)."""
+    from selfplay.iterate.sft import SFTConfig
 
     assert cfg.warm_start is not None
     parse_warm_start(cfg.warm_start)  # checked by the config; each source has its own games
@@ -44,19 +44,24 @@ def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
 
         partner = parse_partner(cfg.partner, get_game(cfg.game).scripted_names)
         against = {"partner": f"scripted:{partner.name}", "clone": str(cfg.policy_seat)}
-    result = sft(
-        SFTConfig(
-            model=cfg.model,
-            out=cfg.warm_start_dir,
-            teacher=cfg.warm_start,
-            **against,
-            lr=cfg.warm_start_lr,
-            epochs=cfg.warm_start_epochs,
-            mini_batch_size=cfg.warm_start_mini_batch_size,
-            **cfg.model_dump(include={"table_size", "max_actions", "seed", "max_length"}),
-            **cfg.train.model_dump(include={"dtype", "micro_batch_size", "gpus", "ray_address"}),
-        )
+    return SFTConfig(
+        model=cfg.model,
+        out=cfg.warm_start_dir,
+        teacher=cfg.warm_start,
+        **against,
+        lr=cfg.warm_start_lr,
+        epochs=cfg.warm_start_epochs,
+        mini_batch_size=cfg.warm_start_mini_batch_size,
+        **cfg.model_dump(include={"table_size", "max_actions", "seed", "max_length"}),
+        **cfg.train.model_dump(include={"dtype", "micro_batch_size", "gpus", "ray_address"}),
     )
+
+
+def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
+    """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
+    from selfplay.iterate.sft import sft
+
+    result = sft(warm_start_config(cfg))
     losses = [s.loss for s in result.steps]
     return {
         "rows": result.rows,
