@@ -195,6 +195,7 @@ class RoundMetrics(GameSummary):
     round: int
     model: str | None = None
     train: dict[str, Any] | None = None  # means over the round's optimizer steps, updates, rss
+    convert: dict[str, Any] | None = None  # rows, groups; expert iteration's kept games; guides
     skip_reason: str | None = None
     seconds: dict[str, float] = {}  # per stage
     rss_mb: dict[str, float | None] = {}  # the loop's own and each stage's peak

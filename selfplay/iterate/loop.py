@@ -6,6 +6,8 @@ Layout of a run named RUN:
     data/RUN/metrics.jsonl            one line per finished round (rewritten from the manifest)
     data/RUN/round_K/games.jsonl      generate (resumes game by game)
     data/RUN/round_K/train.parquet    convert (atomic; val.parquet and convert_summary.json beside)
+    data/RUN/round_K/selected.jsonl   expert iteration: the games its convert kept (iterate/expert)
+    data/RUN/round_K/guide.jsonl      --guide: the guide's games (iterate/guided)
     data/RUN/round_K/eval/            held-out evaluation of the model round K starts from
     checkpoints/RUN/warm_start/       the warm start (SFT) before round 0, when asked for
     checkpoints/RUN/round_K/          train: the HF model of round K+1 (and verl's checkpoint)

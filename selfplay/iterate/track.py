@@ -70,6 +70,8 @@ def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
         **summary.model_dump(exclude={"partner"}),
         "model": rnd.model,
         "train": train.info or None,
+        # rows, groups; expert iteration: games kept; --guide: guide games and their reward
+        "convert": rnd.stages["convert"].info or None,
         "skip_reason": train.skip_reason,
         "seconds": {name: rec.seconds for name, rec in rnd.stages.items()},
         # resident memory (MiB): the loop's own now, and each stage's peak (its own process)
