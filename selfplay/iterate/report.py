@@ -344,7 +344,7 @@ def write_report(
     md.append("")
     md.append(
         "| round | games | reward [95% CI] | agreement | actions | words | invalid | questions "
-        "(direct) | q-reward r | pg_loss | kl | clip frac | train tok/s | update |"
+        "(direct) | q-reward r | loss (pg; EI: SFT) | kl | clip frac | train tok/s | update |"
     )
     md.append("|---" * 14 + "|")
     for r in rows:
@@ -359,7 +359,8 @@ def write_report(
             f"| {f(r.mean_words, '.1f')} | {f(r.invalid_action_rate)} "
             f"| {f(r.questions_per_game, '.2f')} "
             f"({f(r.direct_questions_per_game, '.2f')}) "
-            f"| {f(r.question_reward_corr, '.2f')} | {f(t.get('pg_loss'), '.4f')} "
+            f"| {f(r.question_reward_corr, '.2f')} "
+            f"| {f(t.get('pg_loss') if t.get('pg_loss') is not None else t.get('loss'), '.4f')} "
             f"| {f(t.get('kl'), '.4f')} | {f(t.get('clip_frac'), '.3f')} "
             f"| {f(t.get('tokens_per_s'), '.0f')} "
             f"| {'skipped: ' + r.skip_reason if r.skip_reason else 'trained'} |"
