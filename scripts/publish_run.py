@@ -31,9 +31,13 @@ def publish(run_dir: Path, dest: Path) -> list[Path]:
         if not games.is_absolute():
             games = run_dir.parent.parent / games  # paths are relative to where iterate ran
         out = heldout / f"{label}.jsonl.gz"
-        with games.open("rb") as src, out.open("wb") as raw:
-            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:  # the same bytes each time
-                shutil.copyfileobj(src, dst)
+        # mtime 0: the same games give the same bytes each time
+        with (
+            games.open("rb") as src,
+            out.open("wb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst,
+        ):
+            shutil.copyfileobj(src, dst)
         written.append(out)
     return written
 
