@@ -215,3 +215,38 @@ def test_a_guide_is_checked_against_the_algorithm_and_partner():
     ]:
         with pytest.raises(ValueError, match=error):
             IterateConfig(**base, **extra)
+
+
+@pytest.mark.slow
+def test_the_entropy_bonus_raises_entropy_where_advantages_are_zero(tiny_model, tmp_path):
+    """--entropy-coef: with every advantage 0 the policy gradient is 0, so what an update does is
+    the bonus's: the entropy of the trained tokens goes up."""
+    from selfplay.train.workers import LocalWorkers, update_inputs
+
+    rows = rows_from_table(
+        pa.Table.from_pylist(
+            make_rows([(0, PROMPT, GOOD, MASK, 1.0), (0, PROMPT, BAD, MASK, 1.0)] * 2),
+            schema=TRAINING_SCHEMA,
+        )
+    )
+    batch = collate(rows, pad_id=0)
+    batch["advantages"] = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    cfg = TrainConfig(
+        data=tmp_path / "x.parquet", model=str(tiny_model), out=tmp_path, lr=1e-3, entropy_coef=1.0
+    )
+    workers = LocalWorkers(cfg, total_steps=10)
+    mask = batch["response_mask"].float()
+
+    def entropy() -> float:
+        return float((workers.log_probs(batch, entropy=True)["entropy"] * mask).sum() / mask.sum())
+
+    try:
+        start = entropy()
+        for _ in range(3):
+            batch["old_log_probs"] = workers.log_probs(batch)["log_probs"]
+            metrics = workers.update(update_inputs(batch), 4, seed=0, entropy=True)
+        end = entropy()
+    finally:
+        workers.close()
+    assert "actor/entropy_loss" in metrics
+    assert end > start + 1e-3, (start, end)
