@@ -168,6 +168,15 @@ def known_game(obj: dict) -> str | None:
     return name if isinstance(name, str) and name in GAMES else None
 
 
+def line_game_id(line: bytes) -> str | None:
+    """The ``game_id`` of one games.jsonl line, or None (a torn or foreign line)."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return obj.get("game_id") if isinstance(obj, dict) else None
+
+
 def dump_record(record: BaseModel) -> bytes:
     return orjson.dumps(record.model_dump(mode="json")) + b"\n"
 

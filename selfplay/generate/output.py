@@ -18,7 +18,7 @@ from selfplay.errors import UserError
 from selfplay.fileio import atomic_write
 from selfplay.generate.config import ADDED_LATER, GenerateConfig
 from selfplay.generate.rollout import GameSpec, training_plan
-from selfplay.records import GameRecord, append_records, repair_jsonl_tail
+from selfplay.records import GameRecord, append_records, line_game_id, repair_jsonl_tail
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,7 @@ def write_in_plan_order(config: GenerateConfig) -> bool:
 
     def key(item: tuple[int, bytes]) -> tuple[int, int]:
         index, line = item
-        try:
-            game_id = orjson.loads(line).get("game_id")
-        except (orjson.JSONDecodeError, AttributeError):
-            game_id = None
-        return (position.get(game_id, len(position)), index)
+        return (position.get(line_game_id(line), len(position)), index)
 
     ordered = [line for _, line in sorted(enumerate(lines), key=key)]
     if ordered == lines:

@@ -29,11 +29,12 @@ def scripted_name(spec: str) -> str:
     return name
 
 
-def teacher_sources(spec: str, num_games: int) -> tuple[tuple[str, int], ...]:
+def teacher_sources(spec: str, num_games: int | None) -> tuple[tuple[str, int], ...]:
     """The teacher sources of ``spec`` as (NAME, GAMES) pairs: ``scripted:NAME`` plays
     ``num_games`` games; ``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` mixes several scripted
     teachers, each with its own count (e.g. ``scripted:cooperative:24,scripted:inquisitive:4``
-    puts asking in the cloned model's support at a low rate). ValueError naming the forms."""
+    puts asking in the cloned model's support at a low rate). ``num_games`` None: every source
+    must give its count (iterate's ``--warm-start``). ValueError naming the forms."""
     sources = []
     for part in spec.split(","):
         head, sep, count = part.strip().rpartition(":")
@@ -41,10 +42,10 @@ def teacher_sources(spec: str, num_games: int) -> tuple[tuple[str, int], ...]:
             games = int(count)
             if games < 1:
                 raise ValueError(f"teacher {part!r}: GAMES must be at least 1")
-        elif "," in spec:
+        elif "," in spec or num_games is None:
             raise ValueError(
-                f"teacher {part!r}: each source of a mixed teacher is scripted:NAME:GAMES, "
-                "e.g. scripted:cooperative:24,scripted:inquisitive:4"
+                f"teacher {part!r}: each source is scripted:NAME:GAMES, e.g. "
+                "scripted:cooperative:1000, or scripted:cooperative:24,scripted:inquisitive:4"
             )
         else:
             head, games = part.strip(), num_games

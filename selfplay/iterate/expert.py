@@ -35,7 +35,7 @@ from selfplay.fileio import atomic_write
 from selfplay.iterate.child import _hold
 from selfplay.iterate.config import IterateConfig
 from selfplay.manifest import StageRecord
-from selfplay.records import GameRecord, iter_game_records
+from selfplay.records import GameRecord, iter_game_records, line_game_id
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def select_stage(
     lines = [
         line
         for line in (rdir / "games.jsonl").read_bytes().splitlines(keepends=True)
-        if line.strip() and _game_id(line) in kept_ids
+        if line.strip() and line_game_id(line) in kept_ids
     ]
     atomic_write(rdir / "selected.jsonl", b"".join(lines))
     cut = ConvertConfig(
@@ -108,16 +108,6 @@ def select_stage(
         artifacts={"train": str(path), "selected": str(rdir / "selected.jsonl")},
         info=info,
     )
-
-
-def _game_id(line: bytes) -> str | None:
-    import orjson
-
-    try:
-        obj = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    return obj.get("game_id") if isinstance(obj, dict) else None
 
 
 def _mean(values: Iterable[float]) -> float | None:

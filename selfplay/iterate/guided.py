@@ -98,11 +98,12 @@ def write_guided_games(cfg: IterateConfig, k: int, model: str) -> tuple[object, 
     own = rdir / "games.jsonl"
     records = list(iter_game_records(own))
     guides = guide_games(cfg, k, records, load_chat_format(model))
-    atomic_write(rdir / "guide.jsonl", b"".join(dump_record(r) for r in guides))
+    guide_lines = b"".join(dump_record(r) for r in guides)
+    atomic_write(rdir / "guide.jsonl", guide_lines)
     data = own.read_bytes()
     if data and not data.endswith(b"\n"):
         data += b"\n"
-    path = atomic_write(rdir / "guided.jsonl", data + (rdir / "guide.jsonl").read_bytes())
+    path = atomic_write(rdir / "guided.jsonl", data + guide_lines)
     rewards = [r.reward for r in guides]
     info = {
         "guide_games": len(guides),

@@ -13,7 +13,7 @@ import numpy as np
 from selfplay.game import MATCHING, get_game
 from selfplay.generate.config import PlayOptions
 from selfplay.iterate.child import _hold, isolated
-from selfplay.iterate.config import IterateConfig, IterateError, parse_warm_start
+from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.manifest import Manifest, StageRecord
 from selfplay.metrics import HeldOut
 from selfplay.players.partners import PartnerOptions
@@ -36,8 +36,7 @@ def warm_start_config(cfg: IterateConfig):
     """The ``selfplay sft`` config of the run's warm start (``scripted:NAME:GAMES[,...]``)."""
     from selfplay.iterate.sft import SFTConfig
 
-    assert cfg.warm_start is not None
-    parse_warm_start(cfg.warm_start)  # checked by the config; each source has its own games
+    assert cfg.warm_start is not None  # its form was checked by the config
     against = {}
     if cfg.warm_start_partner == "run":  # the teacher in the model's seat, the run's partner
         from selfplay.players.partners import parse_partner

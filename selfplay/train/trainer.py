@@ -362,6 +362,15 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
         p.mini_batch_size,
         cfg.micro_batch_size,
     )
+    guided = p.rows.off_policy is not None
+    if guided:
+        if cfg.use_ray:
+            raise TrainDataError(
+                "the rows hold guide rows (off_policy), whose loss runs with the local launcher "
+                "only (CPU or one GPU); train on one device or convert without --guide"
+            )
+        n_guide = int(p.rows.off_policy.sum())
+        log.info("%d guide row(s): LUFFY's shaped loss, gamma %s", n_guide, cfg.guide_gamma)
     from selfplay.train.workers import update_inputs
 
     def one(workers, epoch: int, idx: np.ndarray, step: int) -> tuple[StepMetrics, int]:
@@ -397,15 +406,6 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
         return sm, len(idx) // p.mini_batch_size
 
     batches = ((e, idx) for e in range(cfg.epochs) for idx in _epoch_batches(p, e, cfg.seed))
-    guided = p.rows.off_policy is not None
-    if guided:
-        if cfg.use_ray:
-            raise TrainDataError(
-                "the rows hold guide rows (off_policy), whose loss runs with the local launcher "
-                "only (CPU or one GPU); train on one device or convert without --guide"
-            )
-        log.info("%d guide row(s): LUFFY's shaped loss, gamma %s", p.rows.off_policy.sum(),
-                 cfg.guide_gamma)  # fmt: skip
 
     def prepare(workers) -> None:
         if cfg.resume_from is not None:
