@@ -35,6 +35,7 @@ from selfplay.options import (
     SFT,
     SGLANG,
     TRAIN,
+    VLLM,
     EngineOption,
     EngineUrlOption,
     LoggerOption,
@@ -103,17 +104,20 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
 def _check_engine(kind: str, url: str | None) -> None:
     if kind not in ENGINE_KINDS:
         raise fail(f"--engine must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
-    if url and kind != "sglang":
-        raise fail("--engine-url attaches to an SGLang server: add --engine sglang")
+    if url and kind not in SERVERS:
+        raise fail("--engine-url attaches to a server: add --engine sglang or --engine vllm")
 
 
-def _engine(kind: str, url: str | None, opts: dict, model: str, **sglang):
-    """The engine config of --engine (checked) from a command's HF and SGLANG options; another
-    engine gets its config's defaults."""
+SERVERS = {"sglang": SGLANG, "vllm": VLLM}  # the server engines' options
+
+
+def _engine(kind: str, url: str | None, opts: dict, model: str, **server):
+    """The engine config of --engine (checked) from a command's HF, SGLANG and VLLM options;
+    another engine gets its config's defaults."""
     if kind == "hf":
         return build(HF, opts, model=model)
-    if kind == "sglang":
-        return build(SGLANG, opts, model=model, url=url, **sglang)
+    if kind in SERVERS:
+        return build(SERVERS[kind], opts, model=model, url=url, **server)
     return engine_config_class(kind)(model=model)
 
 
@@ -143,7 +147,7 @@ def fail(message: str) -> typer.Exit:
 
 
 @app.command("eval")
-@options(EVAL, SGLANG)
+@options(EVAL, SGLANG, VLLM)
 def eval_cmd(
     models: list[str] = typer.Option(
         [],
@@ -212,8 +216,10 @@ def eval_cmd(
             "--partner and --num-scenarios"
         )
     _check_engine(engine, engine_url)
-    # sglang: one server template, each evaluated model loaded into it
+    # a server: one template, each evaluated model loaded into it
     template = None if engine == "hf" else _engine(engine, engine_url, opts, "(each model)")
+    if template is not None and "dtype" in type(template).model_fields:
+        opts = {**opts, "dtype": "auto"}  # --dtype went to the server
     specs = [ModelSpec(label=n, model=n) for n in names]
     if run is not None:
         specs += run_models(run, data_root)
@@ -370,7 +376,7 @@ def sft_cmd(
 
 
 @app.command("generate")
-@options(GENERATE, HF, SGLANG)
+@options(GENERATE, HF, SGLANG, VLLM)
 def generate(
     out: Path | None = typer.Option(
         None, help="Output folder (games.jsonl). Default: data/$EXP_NAME, else data/generate."
@@ -392,7 +398,7 @@ def generate(
     _check_engine(engine, engine_url)
     model_path = resolve_model(model)
     cfg = build(GENERATE, opts, out=out, model=model_path)
-    engine_cfg = _engine(engine, engine_url, opts, model_path, log_path=str(out / "sglang.log"))
+    engine_cfg = _engine(engine, engine_url, opts, model_path, log_path=str(out / f"{engine}.log"))
 
     try:
         with sigterm_as_interrupt():  # so the engine server is shut down
@@ -440,7 +446,7 @@ def convert(
 
 
 @app.command("iterate")
-@options(ITERATE, HF, SGLANG)
+@options(ITERATE, HF, SGLANG, VLLM)
 def iterate_cmd(
     model: str | None = typer.Option(
         None,

@@ -67,11 +67,17 @@ def embedded_model_dir(cache: Path | None = None) -> Path:
 
 
 def build_tiny_model(
-    out: str | Path, *, corpus: Iterable[str], seed: int = 0, vocab_size: int = 1024
+    out: str | Path,
+    *,
+    corpus: Iterable[str],
+    seed: int = 0,
+    vocab_size: int = 1024,
+    head_dim: int | None = None,
 ) -> Path:
     """Build a tiny random Qwen2 model and a ChatML tokenizer trained offline on ``corpus`` (a
     game's own texts, e.g. ``game.matching.prompts.tokenizer_corpus()``, so that its prompts take
-    few tokens and tests run fast) into ``out``."""
+    few tokens and tests run fast) into ``out``. Its 64 hidden units make 4 attention heads of 16
+    unless ``head_dim`` says otherwise (vLLM's CPU attention needs a multiple of 32)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -101,8 +107,8 @@ def build_tiny_model(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=64 // (head_dim or 16),
+        num_key_value_heads=max(1, 32 // (head_dim or 16)),
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=None,

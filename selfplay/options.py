@@ -43,7 +43,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from selfplay.engines import ENGINE_KINDS, HFEngineConfig, SGLangEngineConfig
+from selfplay.engines import ENGINE_KINDS, HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
 from selfplay.errors import UserError
 from selfplay.evaluate.config import EvalConfig
 from selfplay.generate.config import GenerateConfig
@@ -66,8 +66,8 @@ class Fields:
     default: every field. ``first``: paths shown first in the help, in this order (the others
     follow in the model's order). ``rename``: path -> option name, as a Python identifier
     (``{"url": "engine_url"}``); it names a renamed field in error messages too, included or not.
-    ``override``: path -> typer.Option keywords, plus ``default`` and ``decls`` (the option's
-    flags). ``prefix`` starts every help.
+    ``override``: path -> typer.Option keywords, plus ``default``, ``decls`` (the option's
+    flags) and ``prefix``. ``prefix`` starts every help (an option two engines share says so).
     """
 
     model: type[BaseModel]
@@ -210,7 +210,8 @@ def _option(spec: Fields, path: str, f: FieldInfo, default: Any) -> tuple[Any, A
         kwargs["max"] = getattr(bounds.get(at.Le), "le", None)
     if choices and not all(str(c) in text for c in choices):  # checked by the config
         text += " One of: " + ", ".join(str(c) for c in choices) + "."
-    info = typer.Option(*decls, help=spec.prefix + text, **(kwargs | over))
+    prefix = over.pop("prefix", spec.prefix)
+    info = typer.Option(*decls, help=prefix + text, **(kwargs | over))
     return Annotated[annotation, info], default
 
 
@@ -289,20 +290,42 @@ def explain(e: ValidationError, spec: Fields | type[BaseModel]) -> str:
 HF = Fields(
     HFEngineConfig,
     include=("device", "dtype", "max_batch_size", "prefix_cache_tokens"),
+    override={"dtype": {"prefix": "hf, vllm: "}},
     prefix="hf: ",
 )
+# What both server engines take: declared once (by SGLANG, which comes first), read by both.
+_SERVER_RENAME = {"url": "engine_url", "startup_timeout_s": "health_timeout"}
 SGLANG = Fields(
     SGLangEngineConfig,
-    include=("startup_timeout_s", "python", "port", "tp_size", "mem_fraction", "extra_args"),
-    first=("startup_timeout_s",),
-    rename={
-        "url": "engine_url",
-        "startup_timeout_s": "health_timeout",
-        "python": "sglang_python",
-        "port": "sglang_port",
-        "extra_args": "sglang_arg",
-    },
+    include=("startup_timeout_s", "tp_size", "python", "port", "mem_fraction", "extra_args"),
+    rename=_SERVER_RENAME
+    | {"python": "sglang_python", "port": "sglang_port", "extra_args": "sglang_arg"},
+    override={x: {"prefix": "sglang, vllm: "} for x in ("startup_timeout_s", "tp_size")},
     prefix="sglang: ",
+)
+VLLM = Fields(
+    VLLMEngineConfig,
+    include=(
+        "startup_timeout_s",
+        "tp_size",
+        "dtype",
+        "python",
+        "port",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "cpu_kv_cache_gb",
+        "extra_args",
+    ),
+    rename=_SERVER_RENAME
+    | {
+        "python": "vllm_python",
+        "port": "vllm_port",
+        "max_model_len": "vllm_max_model_len",
+        "gpu_memory_utilization": "vllm_gpu_memory",
+        "cpu_kv_cache_gb": "vllm_kv_cache_gb",
+        "extra_args": "vllm_arg",
+    },
+    prefix="vllm: ",
 )
 GENERATE = Fields(
     GenerateConfig,
@@ -351,12 +374,13 @@ ITERATE = Fields(
 EngineOption = Annotated[
     str,
     typer.Option(
-        help=f"The engine: {', '.join(ENGINE_KINDS)} (hf: transformers in-process; sglang: a "
-        "server, launched or attached)."
+        help=f"The engine: {', '.join(ENGINE_KINDS)} (hf: transformers in-process; sglang, "
+        "vllm: a server, launched or attached)."
     ),
 ]
 EngineUrlOption = Annotated[
-    str | None, typer.Option(help="sglang: attach to a running server (or router) at this URL.")
+    str | None,
+    typer.Option(help="sglang, vllm: attach to a running server (or router) at this URL."),
 ]
 LoggerOption = Annotated[
     str,

@@ -296,7 +296,7 @@ def test_sglang_client_is_token_exact_with_the_hf_engine(standin, hf, tiny_model
 
     async def go():
         await engine.start()
-        await engine.update_weights_from_disk(str(tiny_model))  # the stand-in only records it
+        await engine.load_weights(str(tiny_model))  # the stand-in only records it
         return await gather_close(engine, reqs)
 
     remote = run(go())
@@ -502,7 +502,7 @@ def test_a_router_in_front_of_two_workers_serves_and_reloads_both(tiny_model, hf
         async def go():
             await engine.start()
             assert await engine.worker_urls() == workers
-            await engine.update_weights_from_disk(new)
+            await engine.load_weights(new)
             return await gather_close(engine, reqs)
 
         remote = run(go())
@@ -534,10 +534,11 @@ class _EchoEngine:
 def test_engines_are_registered_by_kind_and_opened_by_their_path(monkeypatch):
     from selfplay import engines
 
-    assert engines.ENGINE_KINDS == ("hf", "sglang")
+    assert engines.ENGINE_KINDS == ("hf", "sglang", "vllm")
     assert engines.engine_config_class("sglang") is SGLangEngineConfig
-    with pytest.raises(ValueError, match="unknown engine 'vllm'; engines: hf, sglang"):
-        engines.engine_config_class("vllm")
+    assert engines.engine_config_class("vllm") is engines.VLLMEngineConfig
+    with pytest.raises(ValueError, match="unknown engine 'trt'; engines: hf, sglang, vllm"):
+        engines.engine_config_class("trt")
     config = _EchoConfig(model="m")
     with pytest.raises(ValueError, match="unknown engine config _EchoConfig"):
         open_engine(config)  # not registered

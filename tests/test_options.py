@@ -101,9 +101,9 @@ def test_the_shared_options_are_many():
 
 
 SPECS = {
-    "eval": [cli.EVAL, cli.SGLANG],
-    "generate": [cli.GENERATE, cli.HF, cli.SGLANG],
-    "iterate": [cli.ITERATE, cli.HF, cli.SGLANG],
+    "eval": [cli.EVAL, cli.SGLANG, cli.VLLM],
+    "generate": [cli.GENERATE, cli.HF, cli.SGLANG, cli.VLLM],
+    "iterate": [cli.ITERATE, cli.HF, cli.SGLANG, cli.VLLM],
     "train": [cli.TRAIN],
     "sft": [cli.SFT],
     "convert": [Fields(ConvertOptions)],

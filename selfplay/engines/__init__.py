@@ -42,6 +42,8 @@ __all__ = [
     "GenerationRequest",
     "HFEngineConfig",
     "SGLangEngineConfig",
+    "ServerEngineConfig",
+    "VLLMEngineConfig",
     "engine_config_class",
     "open_engine",
 ]
@@ -138,27 +140,19 @@ class HFEngineConfig(BaseModel):
     )
 
 
-class SGLangEngineConfig(BaseModel):
-    """An SGLang server launched here, or attached by URL (a router in front of many)."""
+class ServerEngineConfig(BaseModel):
+    """What every server engine shares: launched here (``python -m ...`` in its own process group,
+    its log in ``log_path``) or attached by URL; health, timeouts, retries."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    engine: ClassVar[str] = "selfplay.engines.sglang:SGLangEngine"
 
-    kind: Literal["sglang"] = "sglang"
     model: str
     url: str | None = Field(None, description="attach to a running server (or router) at this URL.")
-    python: str = Field(
-        "python", description="the Python that has sglang (it may be another venv)."
-    )
+    python: str = Field("python", description="the Python that has the server (another venv).")
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535, description="port of the launched server.")
-    tp_size: int = Field(1, ge=1, description="tensor-parallel size.")
-    mem_fraction: float | None = Field(
-        None, gt=0.0, le=1.0, description="the launched server's --mem-fraction-static."
-    )
-    extra_args: tuple[str, ...] = Field(
-        (), description="extra server flag, repeatable (--sglang-arg=--random-seed=1)."
-    )
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size of the launched server.")
+    extra_args: tuple[str, ...] = Field((), description="extra server flag, repeatable.")
     log_path: str | None = None  # server stdout/stderr; None: a temporary file
     startup_timeout_s: float = Field(
         900.0,
@@ -188,10 +182,57 @@ class SGLangEngineConfig(BaseModel):
         return url
 
 
+class SGLangEngineConfig(ServerEngineConfig):
+    """An SGLang server launched here, or attached by URL (a router in front of many)."""
+
+    engine: ClassVar[str] = "selfplay.engines.sglang:SGLangEngine"
+
+    kind: Literal["sglang"] = "sglang"
+    python: str = Field(
+        "python", description="the Python that has sglang (it may be another venv)."
+    )
+    mem_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="the launched server's --mem-fraction-static."
+    )
+    extra_args: tuple[str, ...] = Field(
+        (), description="extra server flag, repeatable (--sglang-arg=--random-seed=1)."
+    )
+
+
+class VLLMEngineConfig(ServerEngineConfig):
+    """A vLLM server (``python -m vllm.entrypoints.openai.api_server``) launched here, or attached
+    by URL; /v1/completions with prompt token ids. vLLM pins a newer transformers than selfplay,
+    so it usually lives in its own venv: ``scripts/setup_vllm.sh`` builds one (``.venv-vllm``)."""
+
+    engine: ClassVar[str] = "selfplay.engines.vllm:VLLMEngine"
+
+    kind: Literal["vllm"] = "vllm"
+    python: str = Field(
+        "python",
+        description="the Python that has vllm (scripts/setup_vllm.sh prints one: .venv-vllm).",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="port of the launched server.")
+    dtype: ComputeDtype = "auto"  # the launched server's --dtype
+    max_model_len: int | None = Field(
+        4096, ge=16, description="the launched server's --max-model-len (None: the model's)."
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="the launched server's --gpu-memory-utilization."
+    )
+    cpu_kv_cache_gb: float = Field(
+        2.0, gt=0, description="CPU only: KV cache of the launched server (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    # torch threads of a launched CPU server; None: all cores but one (the games' event loop).
+    cpu_threads: int | None = Field(None, ge=1)
+    extra_args: tuple[str, ...] = Field(
+        (), description="extra server flag, repeatable (--vllm-arg=--enforce-eager)."
+    )
+
+
 # The engines there are. Adding one: a module with its Engine class (built from its config), its
 # config class above (a ``kind`` literal and the ``engine`` path), and its entry here. Configs
 # validate by ``kind`` wherever a config holds an engine; ``--engine`` takes every kind.
-ENGINE_CONFIGS: tuple[type[BaseModel], ...] = (HFEngineConfig, SGLangEngineConfig)
+ENGINE_CONFIGS: tuple[type[BaseModel], ...] = (HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig)
 ENGINE_KINDS: tuple[str, ...] = tuple(c.model_fields["kind"].default for c in ENGINE_CONFIGS)
 EngineConfig = Annotated[Union[ENGINE_CONFIGS], Field(discriminator="kind")]  # noqa: UP007
 

@@ -24,7 +24,7 @@ from pydantic import (
 from selfplay.engines import (
     EngineConfig,
     HFEngineConfig,
-    SGLangEngineConfig,
+    ServerEngineConfig,
 )
 from selfplay.errors import UserError
 from selfplay.fileio import atomic_write
@@ -194,16 +194,16 @@ class EvalConfig(PartnerOptions, PlayOptions):
                 "device: device, dtype and max_batch_size configure the default hf engine; with an "
                 "engine config, set them on it (engine.device, engine.max_batch_size)"
             )
-        if self.cross_play and isinstance(self.engine, SGLangEngineConfig) and self.engine.url:
+        if self.cross_play and isinstance(self.engine, ServerEngineConfig) and self.engine.url:
             raise ValueError(
-                "cross_play: an attached SGLang server holds one model at a time and cross-play "
+                "cross_play: an attached server holds one model at a time and cross-play "
                 "needs every model at once; launch the servers (no engine url) or use hf"
             )
         return self
 
     def engine_for(self, model: str, index: int = 0) -> EngineConfig:
         """The engine config of ``model``, the ``index``-th of ``models``: the template with the
-        model's path (a launched SGLang server on port + index)."""
+        model's path (a launched server on port + index)."""
         if self.engine is None:
             return HFEngineConfig(
                 model=model,
@@ -212,7 +212,7 @@ class EvalConfig(PartnerOptions, PlayOptions):
                 dtype=self.dtype,
             )
         update: dict = {"model": model}
-        if isinstance(self.engine, SGLangEngineConfig) and not self.engine.url:
+        if isinstance(self.engine, ServerEngineConfig) and not self.engine.url:
             update["port"] = self.engine.port + index
         return self.engine.model_copy(update=update)
 

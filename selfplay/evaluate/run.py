@@ -24,12 +24,12 @@ Each row is built from ``metrics.summarize`` key by key (``summary_fields``): a 
 neither has nor leaves out on purpose (``NOT_IN_ROW``) is an error, never a silent drop.
 
 Engines. Each model is loaded once, on its own engine: ``config.engine`` is a template (any
-``EngineConfig``: hf or SGLang) whose ``model`` is replaced by the model's path; without one, the
-hf engine on ``device`` with ``max_batch_size``. With ``cross_play`` all models are held at once.
-A launched SGLang server serves model ``j`` (its position in ``models``) on port ``port + j``, so
-that cross-play can hold them side by side. An attached SGLang server (``engine.url``: one server,
-several models) is given each model's weights with ``update_weights_from_disk(path)`` before that
-model's rows (the path must be readable by the server; the server keeps the last model's weights
+``EngineConfig``: hf, SGLang or vLLM) whose ``model`` is replaced by the model's path; without
+one, the hf engine on ``device`` with ``max_batch_size``. With ``cross_play`` all models are held
+at once. A launched server serves model ``j`` (its position in ``models``) on port ``port + j``,
+so that cross-play can hold them side by side. An attached server (``engine.url``: one server,
+several models) is given each model's weights with ``load_weights(path)`` before that model's
+rows (the path must be readable by the server; the server keeps the last model's weights
 afterwards); it holds one model at a time, so cross-play refuses it. A model that cannot be
 loaded, or whose engine dies, becomes a row with an ``error`` and the rest are still evaluated;
 ``run_eval`` raises ``EvalError`` only when every model failed, after the other rows are done
@@ -54,7 +54,7 @@ import numpy as np
 from selfplay.engines import (
     Engine,
     EngineFailure,
-    SGLangEngineConfig,
+    ServerEngineConfig,
     open_engine,
 )
 from selfplay.evaluate.config import (
@@ -198,7 +198,7 @@ class _Evaluation:
         return records
 
     async def load(self, spec: ModelSpec) -> _Loaded:
-        """Start ``spec``'s engine (an attached SGLang server is given its weights)."""
+        """Start ``spec``'s engine (an attached server is given its weights)."""
         from selfplay.models import resolve_model
 
         path = await asyncio.to_thread(resolve_model, spec.model)
@@ -207,8 +207,8 @@ class _Evaluation:
         engine = await asyncio.to_thread(open_engine, engine_cfg)
         try:
             await engine.start()
-            if isinstance(engine_cfg, SGLangEngineConfig) and engine_cfg.url:
-                await engine.update_weights_from_disk(path)  # type: ignore[attr-defined]
+            if isinstance(engine_cfg, ServerEngineConfig) and engine_cfg.url:
+                await engine.load_weights(path)  # type: ignore[attr-defined]
         except BaseException:
             await engine.aclose()
             raise

@@ -102,8 +102,8 @@ def _heldout_eval(
     from selfplay.evaluate.config import EvalConfig, ModelSpec
     from selfplay.evaluate.run import run_eval
 
-    # the run's own engine: hf on its device and dtype, or SGLang (an attached server loads the
-    # evaluated weights with update_weights_from_disk, as the next round would)
+    # the run's own engine: hf on its device and dtype, or a server (an attached server loads the
+    # evaluated weights with load_weights, as the next round would)
     where = {"engine": cfg.engine}
     result = run_eval(
         EvalConfig(

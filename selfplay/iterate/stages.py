@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
-from selfplay.engines import SGLangEngineConfig
+from selfplay.engines import ServerEngineConfig
 from selfplay.generate.config import GenerateConfig, GenerateOptions
 from selfplay.iterate.child import Generate, _default_generate, _hold, isolated
 from selfplay.iterate.config import IterateConfig
@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 STAGES = ("generate", "convert", "train")  # a round's stages, by name (see ``stages``)
 
 
-def _reload_attached(engine_cfg: SGLangEngineConfig, model: str) -> None:
-    """Point an attached SGLang server at the new weights instead of restarting it."""
+def _reload_attached(engine_cfg: ServerEngineConfig, model: str) -> None:
+    """Point an attached server (SGLang, vLLM) at the new weights instead of restarting it."""
     import asyncio
 
     from selfplay.engines import open_engine
@@ -35,7 +35,7 @@ def _reload_attached(engine_cfg: SGLangEngineConfig, model: str) -> None:
         engine = open_engine(engine_cfg)
         try:
             await engine.start()
-            await engine.update_weights_from_disk(model)
+            await engine.load_weights(model)
         finally:
             await engine.aclose()
 
@@ -54,7 +54,13 @@ def generate_stage(
     rdir = cfg.round_dir(k)
     rdir.mkdir(parents=True, exist_ok=True)
     engine_cfg = cfg.engine.model_copy(update={"model": model})
-    if isinstance(engine_cfg, SGLangEngineConfig) and engine_cfg.url and k > 0:
+    # an attached server holds the weights it was started with (the run's initial model) or the
+    # last ones loaded: any other model (a trained round, a warm start) is loaded into it first
+    if (
+        isinstance(engine_cfg, ServerEngineConfig)
+        and engine_cfg.url
+        and (k > 0 or model != cfg.model)
+    ):
         _reload_attached(engine_cfg, model)
     gen_cfg = GenerateConfig(
         out=rdir,

@@ -1,0 +1,214 @@
+"""vLLM server engine: launch ``python -m vllm.entrypoints.openai.api_server`` or attach to a URL.
+
+Nothing here imports vllm: the server lives in its own venv (vLLM pins a newer transformers than
+selfplay; ``scripts/setup_vllm.sh`` builds ``.venv-vllm``, CPU or GPU build by the machine).
+Each request is one POST /v1/completions with the prompt as token ids, ``return_token_ids`` (the
+exact sampled ids) and ``logprobs: 0`` (the sampled token's log-prob). The contract is the hf and
+SGLang engines':
+
+- the server stops only at the request's ``stop_token_ids`` (``ignore_eos``: the model's own EOS
+  is not a stop unless the player asks for it), and the stop token is the last id;
+- log-probs are log-softmax(logits / temperature): a launched server runs with
+  ``--logprobs-mode processed_logprobs`` (vLLM's default reports the raw logits' log-probs, before
+  temperature). With ``top_p`` < 1 vLLM's processed log-probs are after the top-p cut, where the
+  hf engine's are before it; the default top_p is 1, where both are the same. An attached server
+  started without that flag reports raw log-probs: ``start`` checks it with two probes and says so;
+- top_k, min_p and the repetition penalty are sent as off, so a model's generation_config.json
+  does not change the sampling (a launched server also gets ``--generation-config vllm``).
+
+Weights: ``load_weights(path)`` POSTs ``/collective_rpc`` ``reload_weights`` (in place, every
+worker; the server must run with ``VLLM_SERVER_DEV_MODE=1``, which a launched server gets) and then
+``/reset_prefix_cache``, so no cached prefix of the old weights is reused. On a CPU the launched
+server gets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and, with ``cpu_threads``, that many cores bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from selfplay.engines import (
+    EngineFailure,
+    Generation,
+    GenerationRequest,
+    VLLMEngineConfig,
+)
+from selfplay.engines.server import RETRYABLE, ServerEngine
+
+log = logging.getLogger(__name__)
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class VLLMEngine(ServerEngine):
+    """A client of one vLLM server (launched here or already running)."""
+
+    LABEL = "vLLM"
+    GENERATE_PATH = "/v1/completions"
+    PACKAGE = "vllm"
+    PYTHON_FLAG = "--vllm-python; scripts/setup_vllm.sh builds .venv-vllm"
+    config: VLLMEngineConfig
+
+    def __init__(self, config: VLLMEngineConfig) -> None:
+        self.gpu = _has_gpu() if not config.url else None
+        self.served = config.model  # the name requests must use; /v1/models tells an attached one
+        super().__init__(config)
+
+    def command(self) -> list[str]:
+        from selfplay.hardware import resolve_dtype
+
+        c = self.config
+        dtype = resolve_dtype(c.dtype, "cuda" if self.gpu else "cpu")
+        cmd = [
+            c.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            c.model,
+            "--host",
+            c.host,
+            "--port",
+            str(c.port),
+            "--dtype",
+            {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+            "--tensor-parallel-size",
+            str(c.tp_size),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--generation-config",
+            "vllm",
+        ]
+        if c.max_model_len is not None:
+            cmd += ["--max-model-len", str(c.max_model_len)]
+        if c.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        c = self.config
+        env = {"VLLM_SERVER_DEV_MODE": "1"}  # /collective_rpc and /reset_prefix_cache
+        if not self.gpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(c.cpu_kv_cache_gb)))
+            if c.cpu_threads is not None:
+                cores = sorted(os.sched_getaffinity(0))[: c.cpu_threads]
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        return env
+
+    async def read_model_info(self) -> None:
+        """The served model's name and context length from /v1/models."""
+        try:
+            r = await self.client().get("/v1/models", timeout=10.0)
+        except RETRYABLE as e:
+            raise EngineFailure(f"vLLM server at {self.url}: GET /v1/models failed: {e}") from e
+        models = r.json().get("data") if r.status_code == 200 else None
+        if not models:
+            raise EngineFailure(
+                f"vLLM server at {self.url} lists no model at /v1/models: {r.text[:300]}"
+            )
+        self.served = models[0]["id"]
+        length = models[0].get("max_model_len")
+        if isinstance(length, int):
+            self.max_context = length
+
+    async def _probe(self) -> None:
+        """Besides the generic probe: the log-probs must be after temperature. The two most
+        likely next tokens are the same at temperature 1 and 0.5, and their log-probs lie twice
+        as far apart at 0.5 when processed; raw ones are the same at both."""
+        await super()._probe()
+        gaps = []
+        for t in (1.0, 0.5):
+            req = GenerationRequest([1, 2, 3], max_new_tokens=1, temperature=t, seed=0)
+            r = await self.client().post(
+                self.GENERATE_PATH, json=self.payload(req) | {"logprobs": 2}
+            )
+            try:
+                top = sorted(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())
+            except (KeyError, TypeError, IndexError, ValueError) as e:
+                raise EngineFailure(f"vLLM server at {self.url}: no top log-probs: {e}") from e
+            gaps.append(top[-1] - top[-2] if len(top) > 1 else 0.0)
+        if gaps[0] > 1e-4 and abs(gaps[1] - gaps[0]) < 1e-3 * gaps[0]:
+            raise EngineFailure(
+                f"vLLM server at {self.url} reports log-probs before temperature (the same at "
+                "temperature 1 and 0.5); start it with --logprobs-mode processed_logprobs, or let "
+                "selfplay launch it (leave --engine-url out)"
+            )
+
+    def payload(self, request: GenerationRequest) -> dict:
+        body: dict = {
+            "model": self.served,
+            "prompt": list(request.prompt_ids),
+            "max_tokens": request.max_new_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "stop_token_ids": list(request.stop_token_ids),
+            "skip_special_tokens": False,
+        }
+        if request.seed is not None:
+            body["seed"] = request.seed
+        return body
+
+    @staticmethod
+    def parse(data: dict | list, prompt_tokens: int = 0) -> Generation:
+        """One /v1/completions answer -> Generation; ids from ``token_ids``, log-probs from
+        ``logprobs.token_logprobs`` (one per id, the stop token included)."""
+        try:
+            choice = data["choices"][0]  # type: ignore[index, call-overload]
+            ids = [int(i) for i in choice["token_ids"]]
+            logprobs = choice["logprobs"]["token_logprobs"]
+        except (KeyError, TypeError, IndexError) as e:
+            raise EngineFailure(
+                f"unexpected /v1/completions answer (missing {e}); this vLLM version does not "
+                "return token_ids and logprobs (vLLM >= 0.10 does)"
+            ) from e
+        if len(logprobs) != len(ids):
+            raise EngineFailure(
+                f"/v1/completions returned {len(logprobs)} log-probs for {len(ids)} token ids"
+            )
+        finish = choice.get("finish_reason")
+        reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(finish or "", "stop")
+        usage = data.get("usage") or {}  # type: ignore[union-attr]
+        return Generation(
+            token_ids=ids,
+            logprobs=[float(x) if x is not None else 0.0 for x in logprobs],
+            finish_reason=reason,  # type: ignore[arg-type]
+            text=choice.get("text", ""),
+            prompt_tokens=usage.get("prompt_tokens", prompt_tokens),
+            meta={"finish_reason": finish, "stop_reason": choice.get("stop_reason")},
+        )
+
+    async def load_weights(self, model_path: str) -> None:
+        """Reload ``model_path`` into the server in place (every worker), then drop its prefix
+        cache."""
+        client = self.client()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+        try:
+            r = await client.post("/collective_rpc", json=body)
+            if r.status_code == 200:
+                r = await client.post("/reset_prefix_cache")
+        except RETRYABLE as e:
+            raise EngineFailure(f"vLLM server at {self.url}: weight reload failed: {e}") from e
+        if r.status_code == 404:
+            raise EngineFailure(
+                f"vLLM server at {self.url} has no /collective_rpc or /reset_prefix_cache: start "
+                "it with VLLM_SERVER_DEV_MODE=1 to reload weights (a launched server has it)"
+            )
+        if r.status_code != 200:
+            raise EngineFailure(
+                f"vLLM server at {self.url} could not load weights from {model_path}: "
+                f"HTTP {r.status_code}: {r.text[:500]}"
+            )
+        log.info("reloaded %s into the vLLM server at %s", model_path, self.url)
+        self.name = model_path
