@@ -73,11 +73,13 @@ def build_tiny_model(
     seed: int = 0,
     vocab_size: int = 1024,
     head_dim: int | None = None,
+    tie_embeddings: bool = True,
 ) -> Path:
     """Build a tiny random Qwen2 model and a ChatML tokenizer trained offline on ``corpus`` (a
     game's own texts, e.g. ``game.matching.prompts.tokenizer_corpus()``, so that its prompts take
     few tokens and tests run fast) into ``out``. Its 64 hidden units make 4 attention heads of 16
-    unless ``head_dim`` says otherwise (vLLM's CPU attention needs a multiple of 32)."""
+    unless ``head_dim`` says otherwise (vLLM's CPU attention needs a multiple of 32); its output
+    head is its input embedding unless ``tie_embeddings`` is false."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -110,7 +112,7 @@ def build_tiny_model(
         num_attention_heads=64 // (head_dim or 16),
         num_key_value_heads=max(1, 32 // (head_dim or 16)),
         max_position_embeddings=8192,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=None,
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,

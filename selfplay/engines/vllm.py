@@ -18,15 +18,20 @@ SGLang engines':
 
 Weights: ``load_weights(path)`` POSTs ``/collective_rpc`` ``reload_weights`` (in place, every
 worker; the server must run with ``VLLM_SERVER_DEV_MODE=1``, which a launched server gets) and then
-``/reset_prefix_cache``, so no cached prefix of the old weights is reused. On a CPU the launched
+``/reset_prefix_cache``, so no cached prefix of the old weights is reused. vLLM 0.32's in-place
+reload keeps the old output head of a model that ties it to its input embedding (SmolLM2, the
+small Qwen2.5 and Llama 3.2 models): such a reload is refused with what to do instead (a launched
+server per round, which ``iterate`` does without ``--engine-url``). On a CPU the launched
 server gets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and, with ``cpu_threads``, that many cores bound.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+from pathlib import Path
 
 from selfplay.engines import (
     EngineFailure,
@@ -37,6 +42,19 @@ from selfplay.engines import (
 from selfplay.engines.server import RETRYABLE, ServerEngine
 
 log = logging.getLogger(__name__)
+
+
+def _tied(model_path: str) -> bool:
+    """Whether the checkpoint's config ties the output head to the input embedding. vLLM's
+    layer-by-layer reload (0.32) reloads the embedding and puts the head's old tensors back
+    ("ParallelLMHead: Failed to load weights" in its log): the tie is broken, and on a CPU the
+    head's pre-packed GEMM weight is the old one. A path not readable here counts as untied."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
 
 def _has_gpu() -> bool:
@@ -191,7 +209,15 @@ class VLLMEngine(ServerEngine):
 
     async def load_weights(self, model_path: str) -> None:
         """Reload ``model_path`` into the server in place (every worker), then drop its prefix
-        cache."""
+        cache. Refused for a model whose output head is its input embedding (see ``_tied``)."""
+        if _tied(model_path):
+            raise EngineFailure(
+                f"{model_path} ties its output head to its input embedding "
+                "(tie_word_embeddings), and vLLM's in-place reload keeps the old head for such "
+                "models (measured with vLLM 0.32: log-probs of the new body with the old head). "
+                "Let selfplay launch the server (leave --engine-url out): each round then starts "
+                "one on its own checkpoint"
+            )
         client = self.client()
         body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
         try:
