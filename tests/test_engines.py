@@ -300,7 +300,7 @@ def test_sglang_client_is_token_exact_with_the_hf_engine(standin, hf, tiny_model
         return await gather_close(engine, reqs)
 
     remote = run(go())
-    assert engine.max_context == hf.max_context  # read from /model_info
+    assert engine.max_context == hf.max_context  # read from /v1/models
     local = run(gather_close(fresh(hf), reqs))
     for r, loc in zip(remote, local):
         assert r.token_ids == loc.token_ids

@@ -148,7 +148,30 @@ def test_launched_server_has_the_command_and_environment_we_built(server, model3
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert engine.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "--no-enable-chunked-prefill" in cmd  # a CPU: see the next test
     assert engine.max_context == 2048 and engine.served == str(model32)  # read from /v1/models
+
+
+def test_many_seeded_requests_with_long_prompts_at_once(server, hf, model32):
+    """32 seeded requests of 1,000 prompt tokens at once, on the launched server. With chunked
+    prefill on, vLLM 0.32 on a CPU killed its engine ("CPU Generator does not use offset") in
+    `selfplay generate` of 32 seeded SmolLM2-135M games at once; the launch flag turns it off.
+    This load did not reproduce the crash on the tiny model: it checks the load is served."""
+    url, _, _ = server
+    ids = (_prompt(hf) * 40)[:1000]
+    reqs = [GenerationRequest(ids, max_new_tokens=8, temperature=1.0, seed=s) for s in range(32)]
+
+    async def go():
+        engine = _attached(url, model32)()
+        await engine.start()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            await engine.aclose()
+
+    gens = asyncio.run(go())
+    assert len(gens) == 32 and all(len(g.token_ids) == 8 for g in gens)
+    assert len({tuple(g.token_ids) for g in gens}) > 1  # seeds differ, samples differ
 
 
 def test_vllm_keeps_the_engine_contract_token_exact_with_hf(server, hf, model32):

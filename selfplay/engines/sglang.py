@@ -50,17 +50,16 @@ class SGLangEngine(ServerEngine):
         return cmd + list(c.extra_args)
 
     async def read_model_info(self) -> None:
-        for path in ("/model_info", "/get_model_info"):
-            try:
-                r = await self.client().get(path, timeout=10.0)
-            except RETRYABLE:
-                return
-            if r.status_code == 200:
-                info = r.json()
-                length = info.get("max_context_length") or info.get("context_length")
-                if isinstance(length, int):
-                    self.max_context = length
-                return
+        """The context length from ``/v1/models`` (``max_model_len``): SGLang's ``/model_info``
+        has none (checked against the 0.5.23 release, tests/test_sglang_release.py)."""
+        try:
+            r = await self.client().get("/v1/models", timeout=10.0)
+            models = r.json().get("data") if r.status_code == 200 else None
+        except (*RETRYABLE, ValueError, AttributeError):
+            return
+        length = models[0].get("max_model_len") if models and isinstance(models[0], dict) else None
+        if isinstance(length, int):
+            self.max_context = length
 
     def probe_hint(self, answer: str) -> str:
         return " (sampling_seed needs SGLang >= 0.5.6)" if "sampling_seed" in answer else ""

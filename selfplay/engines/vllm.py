@@ -22,7 +22,9 @@ worker; the server must run with ``VLLM_SERVER_DEV_MODE=1``, which a launched se
 reload keeps the old output head of a model that ties it to its input embedding (SmolLM2, the
 small Qwen2.5 and Llama 3.2 models): such a reload is refused with what to do instead (a launched
 server per round, which ``iterate`` does without ``--engine-url``). On a CPU the launched
-server gets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and, with ``cpu_threads``, that many cores bound.
+server gets ``VLLM_CPU_KVCACHE_SPACE`` (GiB), ``--no-enable-chunked-prefill`` (vLLM 0.32's CPU
+sampler crashes on a seeded request whose prefill is split) and, with ``cpu_threads``, that many
+cores bound.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class VLLMEngine(ServerEngine):
         ]
         if c.max_model_len is not None:
             cmd += ["--max-model-len", str(c.max_model_len)]
+        if not self.gpu:
+            # vLLM 0.32 on a CPU: a seeded request whose prefill is split into chunks kills the
+            # engine ("CPU Generator does not use offset"); whole prefills never split
+            cmd += ["--no-enable-chunked-prefill"]
         if c.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         return cmd + list(c.extra_args)
