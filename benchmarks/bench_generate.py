@@ -5,9 +5,13 @@
   (b) hf engine, tiny random model, CPU: games/s with --concurrency 32 vs 1. Target ratio >= 4.
   (c) peak RSS of a generate process (synthetic engine, --concurrency 32) with N and 10 N games:
       it should stay flat (finished games go to disk, never stay in memory).
+  (d) hf engine vs a vLLM server (scripts/setup_vllm.sh's venv), SmolLM2-135M, the same games,
+      concurrency and dtype: games/s and tokens/s (server start apart), and the in-place weight
+      reload of one checkpoint (an untied copy of SmolLM2: vLLM keeps a tied head stale).
 
-Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c] [--latency 0.25,0.5,1.0]
-Everything is offline: the tiny model is built into a temporary directory.
+Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d] [--latency 0.25,0.5,1.0]
+Everything is offline: the tiny model is built into a temporary directory; (d) is not in the
+default parts (it builds the vLLM venv when missing and takes ~10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -159,6 +163,75 @@ def part_c(model: Path, tmp: Path, base: int = 64) -> list[tuple]:
     ]
 
 
+def part_d(tmp: Path, games: int = 32, concurrency: int = 32) -> list[tuple]:
+    """The same self-play games through the hf engine and through a launched vLLM server."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.engines import HFEngineConfig, VLLMEngineConfig, open_engine
+    from selfplay.generate.runner import run_generate
+    from selfplay.hardware import resolve_dtype
+    from selfplay.models import resolve_model
+
+    root = Path(__file__).resolve().parents[1]
+    setup = subprocess.run(["bash", str(root / "scripts/setup_vllm.sh")], capture_output=True)
+    python = str(root / setup.stdout.decode().strip().splitlines()[-1])
+    model = resolve_model(None)
+    dtype = resolve_dtype("auto", "cpu")
+
+    def config(out: str) -> GenerateConfig:
+        return GenerateConfig(
+            out=tmp / out, num_games=games, model=model, concurrency=concurrency, table_size=3,
+            sampling=SamplingParams(max_new_tokens=64, temperature=0.7), seed=11,
+        )  # fmt: skip
+
+    rows = []
+    hf = run_generate(config("d-hf"), HFEngineConfig(model=model, device="cpu", dtype=dtype))
+    # an untied copy: the head is its own tensor, so an in-place reload is exact
+    untied = tmp / "smollm2-untied"
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    m.config.tie_word_embeddings = False
+    m.lm_head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.detach().clone())
+    m.save_pretrained(untied)
+    for f in Path(model).iterdir():  # tokenizer and chat template: all but weights and config
+        if f.is_file() and not (f.suffix == ".safetensors" or f.name == "config.json"):
+            (untied / f.name).write_bytes(f.read_bytes())
+    server = open_engine(
+        VLLMEngineConfig(model=str(untied), python=python, dtype=dtype, port=8077,
+                         log_path=str(tmp / "vllm.log"))
+    )  # fmt: skip
+
+    async def up() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        await server.start()
+        started = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await server.load_weights(str(untied))
+        return started, time.perf_counter() - t0
+
+    loop = asyncio.new_event_loop()
+    try:
+        started, reload_s = loop.run_until_complete(up())
+        vl = run_generate(config("d-vllm"), VLLMEngineConfig(model=str(untied), url=server.url))
+    finally:
+        loop.run_until_complete(server.aclose())
+        loop.close()
+    for name, r in (("hf (in-process)", hf), ("vLLM server", vl)):
+        st = r.stats
+        rows.append((
+            f"(d) {name}, SmolLM2-135M {dtype}, CPU",
+            f"{games} self-play games 3x3, concurrency {concurrency}, 64 new tokens, T 0.7",
+            f"{st.games_per_s:.3f} games/s, {st.tokens_per_s:.0f} tok/s ({st.seconds:.0f} s)",
+            f"{st.games_per_s / hf.stats.games_per_s:.2f}x hf",
+            "",
+        ))  # fmt: skip
+    rows.append((
+        "(d) vLLM server start / weight reload", "launch to healthy; reload_weights of SmolLM2",
+        f"{started:.0f} s / {reload_s:.2f} s", "", "",
+    ))  # fmt: skip
+    return rows
+
+
 def child(model: str, out: str, games: int) -> None:
     load_chat_format(model)  # imports and tokenizer first: the baseline is everything but games
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
@@ -192,6 +265,8 @@ def main() -> None:
             rows += part_b(model, tmp)
         if "c" in parts:
             rows += part_c(model, tmp)
+        if "d" in parts:
+            rows += part_d(tmp)
     table = Table(title="selfplay generate benchmark")
     for col in ("benchmark", "setting", "measured", "result", "target"):
         table.add_column(col)
