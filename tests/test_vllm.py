@@ -130,6 +130,20 @@ def _attached(url: str, model: Path):
     return lambda: open_engine(VLLMEngineConfig(model=str(model), url=url))
 
 
+def _generate_all(url: str, model: Path, reqs: list[GenerationRequest]) -> list:
+    """All requests sent at once to the server at ``url``, through a fresh attached engine."""
+
+    async def go():
+        engine = _attached(url, model)()
+        await engine.start()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(go())
+
+
 def _scored(model: Path, token_ids: list[int], temperature: float) -> list[float]:
     """log-softmax(logits / temperature) of each next token under ``model``'s weights (hf)."""
     from transformers import AutoModelForCausalLM
@@ -161,15 +175,7 @@ def test_many_seeded_requests_with_long_prompts_at_once(server, hf, model32):
     ids = (_prompt(hf) * 40)[:1000]
     reqs = [GenerationRequest(ids, max_new_tokens=8, temperature=1.0, seed=s) for s in range(32)]
 
-    async def go():
-        engine = _attached(url, model32)()
-        await engine.start()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            await engine.aclose()
-
-    gens = asyncio.run(go())
+    gens = _generate_all(url, model32, reqs)
     assert len(gens) == 32 and all(len(g.token_ids) == 8 for g in gens)
     assert len({tuple(g.token_ids) for g in gens}) > 1  # seeds differ, samples differ
 
@@ -188,15 +194,7 @@ def test_sampled_logprobs_are_after_temperature(server, hf, model32):
     ids = _prompt(hf)
     reqs = [GenerationRequest(ids, max_new_tokens=16, temperature=0.7, seed=s) for s in range(3)]
 
-    async def go():
-        engine = _attached(url, model32)()
-        await engine.start()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            await engine.aclose()
-
-    for gen in asyncio.run(go()):
+    for gen in _generate_all(url, model32, reqs):
         want = _scored(model32, [*ids, *gen.token_ids], 0.7)[len(ids) :]
         assert max(abs(a - b) for a, b in zip(gen.logprobs, want)) < TOL
         raw = _scored(model32, [*ids, *gen.token_ids], 1.0)[len(ids) :]
