@@ -27,6 +27,9 @@ TRAINING_SCHEMA = pa.schema(
         # a guide's row (a scripted player's turns recorded as the model's, --guide): trained
         # off-policy with LUFFY's policy shaping; absent in files written before it (all False)
         pa.field("off_policy", pa.bool_()),
+        # the temperature the row's own tokens were sampled at (null: not sampled by a model, or
+        # written before the column): rollout_logprobs are log-softmax(logits / temperature)
+        pa.field("temperature", pa.float32()),
         pa.field("tokenizer_fingerprint", pa.string()),
         pa.field(
             "messages",

@@ -168,6 +168,7 @@ def test_golden_conversion_of_a_small_file(tmp_path):
         "rollout_logprobs": pytest.approx([-0.201, -0.202, 0, 0, 0, -0.211, -0.212]),
         "reward": 0.5,
         "off_policy": False,  # the model's own seat (a guide's is a trained scripted seat)
+        "temperature": None,  # its seat records no sampling parameters
         "tokenizer_fingerprint": "fp",
         "messages": [
             {"role": "user", "content": "intro seat 1"},

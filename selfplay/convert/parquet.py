@@ -74,6 +74,7 @@ def to_batch(rows: list[tuple[Row, int]], data_source: str) -> pa.RecordBatch:
         ),
         "reward": reward,
         "off_policy": pa.array([r.off_policy for r, _ in rows], pa.bool_()),
+        "temperature": pa.array([r.temperature for r, _ in rows], pa.float32()),
         "tokenizer_fingerprint": pa.array([r.tokenizer_fingerprint for r, _ in rows], pa.string()),
         "messages": messages,
         "data_source": pa.repeat(pa.scalar(data_source, pa.string()), n),

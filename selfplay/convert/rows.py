@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from selfplay.convert.config import ConvertConfig
 from selfplay.convert.grouping import group_key
 from selfplay.records import GameRecord, SeatTokens, known_game
+from selfplay.seats import SeatConfig
 
 # Speed matters here (thousands of games of ~3,000 tokens per second). The token lists go from
 # the parsed JSON into typed buffers with struct.pack and bytearray, which check every value and
@@ -54,6 +55,7 @@ class Row(NamedTuple):
     messages: list[dict[str, str]]
     n_prompt_messages: int
     off_policy: bool = False  # a scripted guide's turns (a trained seat of kind "scripted")
+    temperature: float | None = None  # the seat's sampling temperature (None: not sampled)
 
 
 class RecordRows(NamedTuple):
@@ -86,6 +88,7 @@ class _SeatLists(NamedTuple):
     messages: Any
     fingerprint: Any
     off_policy: bool  # the seat was played by a scripted guide/teacher, not the model
+    temperature: float | None  # the seat's sampling temperature, None when it did not sample
 
 
 class _Drop(Enum):
@@ -139,19 +142,21 @@ def rows_of_record(record: GameRecord, config: ConvertConfig) -> RecordRows:
         offender,
     )
     seats = (
-        (seat, _seat_lists(t, record.seats[seat].kind))
+        (seat, _seat_lists(t, record.seats[seat]))
         for seat, t in enumerate(record.tokens)
         if record.seats[seat].trained
     )
     return _rows(game, seats, config, from_json=False)
 
 
-def _seat_lists(t: SeatTokens | None, kind: str) -> _SeatLists | None:
+def _seat_lists(t: SeatTokens | None, seat: SeatConfig) -> _SeatLists | None:
     if t is None:
         return None
+    temperature = seat.sampling.temperature if seat.sampling is not None else None
     return _SeatLists(
-        t.token_ids, t.mask, t.logprobs, t.messages, t.tokenizer_fingerprint, kind == "scripted"
-    )
+        t.token_ids, t.mask, t.logprobs, t.messages, t.tokenizer_fingerprint,
+        seat.kind == "scripted", temperature,
+    )  # fmt: skip
 
 
 def parse_record(obj: dict) -> GameRecord:
@@ -186,6 +191,12 @@ def _offender(seat: Any) -> int | None:
     return seat if seat in (0, 1) else None
 
 
+def _temperature(sampling: Any) -> float | None:
+    """A parsed seat's sampling temperature (None when the seat records no sampling)."""
+    t = sampling.get("temperature") if isinstance(sampling, dict) else None
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
+
+
 def _json_seats(seats: list, tokens: list) -> Iterator[tuple[int, _SeatLists | None]]:
     """The trained seats of a parsed record with their token lists (None: no tokens recorded).
     A generator, so each seat is checked when the cut reaches it: of two faults, the reason
@@ -212,6 +223,7 @@ def _json_seats(seats: list, tokens: list) -> Iterator[tuple[int, _SeatLists | N
                 tok.get("messages") or [],
                 tok.get("tokenizer_fingerprint"),
                 seat_cfg.get("kind") == "scripted",
+                _temperature(seat_cfg.get("sampling")),
             ),
         )
 
@@ -314,4 +326,5 @@ def _cut(
             len(messages),
         ),
         off_policy=tok.off_policy,
+        temperature=None if tok.off_policy else tok.temperature,
     )

@@ -256,6 +256,7 @@ TRAIN_ADDED_LATER = {
     "entropy_coef": 0.0,
     "dtype": "auto",  # older runs stored None, read as auto
     "guide_gamma": 0.1,
+    "old_log_probs": "recompute",
 }
 
 

@@ -40,7 +40,8 @@ REQUIRED_COLUMNS = (
     "reward",
     "tokenizer_fingerprint",
 )
-OPTIONAL_COLUMNS = ("off_policy",)  # absent in files written before guided groups
+# absent in files written before guided groups (off_policy) or the sampling temperature
+OPTIONAL_COLUMNS = ("off_policy", "temperature")
 
 
 class TrainDataError(UserError, ValueError):
@@ -115,6 +116,7 @@ class Rows:
     rollout_logprobs: list[list[float]]
     rewards: np.ndarray  # [N] float32
     off_policy: np.ndarray | None = None  # [N] bool: a guide's row; None: none is
+    temperature: np.ndarray | None = None  # [N] float: sampled at; NaN: unknown; None: no column
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -129,6 +131,7 @@ class Rows:
             rollout_logprobs=[self.rollout_logprobs[i] for i in idx],
             rewards=self.rewards[idx],
             off_policy=None if self.off_policy is None else self.off_policy[idx],
+            temperature=None if self.temperature is None else self.temperature[idx],
         )
 
 
@@ -143,6 +146,7 @@ def rows_from_table(table: pa.Table, max_length: int | None = None, *, groups: b
         rollout_logprobs=table.column("rollout_logprobs").to_pylist(),
         rewards=np.asarray(table.column("reward").to_pylist(), dtype=np.float32),
         off_policy=_off_policy(table),
+        temperature=_temperature(table),
     )
     for i in range(len(rows)):
         p, r, m, lp = rows.prompts[i], rows.responses[i], rows.masks[i], rows.rollout_logprobs[i]
@@ -185,6 +189,14 @@ def _off_policy(table: pa.Table) -> np.ndarray | None:
         return None
     flags = np.asarray(table.column("off_policy").fill_null(False).to_pylist(), dtype=bool)
     return flags if flags.any() else None
+
+
+def _temperature(table: pa.Table) -> np.ndarray | None:
+    """Each row's sampling temperature, NaN where unknown (None when the file has no column)."""
+    if "temperature" not in table.column_names:
+        return None
+    values = table.column("temperature").to_pylist()
+    return np.asarray([np.nan if t is None else t for t in values], dtype=np.float64)
 
 
 def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:

@@ -90,6 +90,12 @@ class TrainerOptions(BaseModel):
         description="none: actor log-probs only; tis: truncated importance sampling against the "
         "rollout log-probs.",
     )
+    old_log_probs: Literal["recompute", "rollout"] = Field(
+        "recompute",
+        description="recompute: the actor scores the rows before each step (one more forward "
+        "pass); rollout: the generator's own log-probs stand in for them (no pass), for rows the "
+        "model sampled itself at temperature 1 from the weights being trained.",
+    )
     dtype: ComputeDtype = "auto"
     gpus: Gpus = 0
     ray_address: str | None = Field(

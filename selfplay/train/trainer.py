@@ -181,13 +181,7 @@ def plan(cfg: TrainConfig) -> Plan:
     """Read and check the rows and sizes; raise ``TrainDataError`` with what to do."""
     rows, pad_id = load_rows(cfg)
     n = len(rows)
-    if cfg.rollout_is == "tis" and not any(
-        any(lp != 0.0 for lp in row) for row in rows.rollout_logprobs
-    ):
-        raise TrainDataError(
-            "--rollout-is tis needs the generator's log-probs, but every rollout_logprobs value "
-            "is 0; generate with an engine that returns log-probs, or use --rollout-is none"
-        )
+    _check_rollout_log_probs(rows, cfg)
     batch, mini, steps = batch_sizes(n, cfg)
     advantages = row_advantages(rows, std_norm=cfg.std_norm)
     flat = int((advantages == 0).sum())
@@ -200,6 +194,53 @@ def plan(cfg: TrainConfig) -> Plan:
         log.info("%d of %d rows have advantage 0 (their group's rewards are all equal)", flat, n)
     micro = micro_batch(mini, cfg)
     return Plan(rows, advantages, pad_id, batch, mini, steps, micro)
+
+
+# The temperature the trainer scores its policy at: log-softmax(logits / 1). Greedy rows (0)
+# carry the plain log-softmax too.
+POLICY_TEMPERATURES = (0.0, 1.0)
+
+
+def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
+    """The generator's log-probs stand for the trainer's only where they are the same quantity:
+    present, the model's own (no guide row), and sampled at the temperature the trainer scores
+    (``--rollout-is tis`` compares them, ``--old-log-probs rollout`` uses them as they are)."""
+    uses = [
+        flag
+        for flag, on in (("--rollout-is tis", cfg.rollout_is == "tis"),
+                         ("--old-log-probs rollout", cfg.old_log_probs == "rollout"))
+        if on
+    ]  # fmt: skip
+    if not uses:
+        return
+    what = " and ".join(uses)
+    if not any(any(lp != 0.0 for lp in row) for row in rows.rollout_logprobs):
+        raise TrainDataError(
+            f"{what} needs the generator's log-probs, but every rollout_logprobs value is 0; "
+            "generate with an engine that returns log-probs, or leave the option out"
+        )
+    temps = rows.temperature
+    known = temps[np.isfinite(temps)] if temps is not None else np.array([])
+    off = sorted({float(t) for t in known if t not in POLICY_TEMPERATURES})
+    if off:
+        raise TrainDataError(
+            f"{what}: rows were sampled at temperature {', '.join(f'{t:g}' for t in off)}, so "
+            "their log-probs are log-softmax(logits / T) while the trainer scores the policy at "
+            "temperature 1: the two are not the same quantity. Generate at --temperature 1 to "
+            "use them, or leave the option out"
+        )
+    if cfg.old_log_probs == "rollout":
+        if rows.off_policy is not None:
+            raise TrainDataError(
+                "--old-log-probs rollout: guide rows (off_policy) have no generator log-probs; "
+                "recompute them (leave the option out)"
+            )
+        if temps is None or len(known) < len(temps):
+            raise TrainDataError(
+                "--old-log-probs rollout needs each row's sampling temperature, which this file "
+                "does not record (written before the temperature column); convert the games "
+                "again with this selfplay"
+            )
 
 
 def _epoch_batches(p: Plan, epoch: int, seed: int) -> list[np.ndarray]:
@@ -217,13 +258,17 @@ def step_batch(p: Plan, idx: np.ndarray) -> dict[str, torch.Tensor]:
 
 
 def add_old_log_probs(workers, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> dict:
-    """Old log-probs from the actor; TIS weights and reference log-probs where configured."""
+    """Old log-probs from the actor (or, ``--old-log-probs rollout``, the generator's: one
+    forward pass fewer); TIS weights and reference log-probs where configured."""
     extra: dict[str, float] = {}
-    out = workers.log_probs(batch, entropy=True)
-    batch["old_log_probs"] = out["log_probs"]
-    mask = batch["response_mask"].float()
-    if "entropy" in out:
-        extra["entropy"] = float((out["entropy"] * mask).sum() / mask.sum())
+    if cfg.old_log_probs == "rollout":
+        batch["old_log_probs"] = batch["rollout_log_probs"].clone()  # 0 where the mask is 0
+    else:
+        out = workers.log_probs(batch, entropy=True)
+        batch["old_log_probs"] = out["log_probs"]
+        mask = batch["response_mask"].float()
+        if "entropy" in out:
+            extra["entropy"] = float((out["entropy"] * mask).sum() / mask.sum())
     if cfg.rollout_is == "tis":
         from verl.trainer.ppo.rollout_corr_helper import (
             compute_rollout_correction_and_rejection_mask,
