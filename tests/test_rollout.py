@@ -295,7 +295,7 @@ def test_eval_engine_template_gives_each_model_its_engine():
     attached = SGLangEngineConfig(model="t", url="http://127.0.0.1:9")
     one = EvalConfig(models=models, engine=attached)
     assert one.engine_for("/m/b", 1) == attached.model_copy(update={"model": "/m/b"})
-    with pytest.raises(ValueError, match="cross_play: an attached SGLang server"):
+    with pytest.raises(ValueError, match="cross_play: an attached server"):
         EvalConfig(models=models, engine=attached, cross_play=True)
     with pytest.raises(ValueError, match=r"engine\.device"):
         EvalConfig(models=models, engine=attached, device="cuda")

@@ -225,6 +225,27 @@ def test_generate_with_vllm_writes_the_games_hf_writes(server, model32, tmp_path
     assert sum(sum(t.mask) for g in games["vllm"] for t in g.tokens) > 100  # tokens were played
 
 
+def test_eval_through_vllm_scores_what_hf_scores(server, model32, tmp_path):
+    """`selfplay eval --engine vllm --engine-url URL`: the model's weights are loaded into the
+    server, its greedy held-out games score what the hf engine's do."""
+    url, _, _ = server
+    common = [
+        "eval", "--models", str(model32), "--num-scenarios", "3", "--table-size", "3",
+        "--max-actions", "6", "--max-new-tokens", "40", "--baselines", "",
+    ]  # fmt: skip
+    runs = {"hf": ["--dtype", "fp32"], "vllm": ["--engine", "vllm", "--engine-url", url]}
+    rows = {}
+    for kind, extra in runs.items():
+        res = CliRunner().invoke(app, [*common, *extra, "--out", str(tmp_path / kind)])
+        assert res.exit_code == 0, res.output
+        result = json.loads((tmp_path / kind / "eval.json").read_text())
+        (rows[kind],) = [r for r in result["rows"] if r["kind"] == "model"]
+    assert result["config"]["engine"]["kind"] == "vllm"
+    assert rows["vllm"]["games"] == 3 and rows["vllm"]["error"] is None
+    for key in ("reward_mean", "invalid_action_rate", "mean_actions", "outcomes"):
+        assert rows["vllm"][key] == pytest.approx(rows["hf"][key]), key
+
+
 def test_iterate_reloads_each_round_into_the_attached_server(server, model32, tmp_path):
     """Two rounds through one attached server: round 1's games are played on round 0's
     checkpoint, loaded into the server in place (its log-probs are the trained weights')."""
