@@ -114,3 +114,10 @@ def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path
     apart = max(float((weights["rollout"][k] - weights["recompute"][k]).abs().max()) for k in base)
     print(f"update {moved:.2e}, rollout vs recompute {apart:.2e}", file=sys.stderr)
     assert moved > 1e-4 and apart < 0.05 * moved
+
+
+def test_iterate_refuses_rollout_log_probs_of_another_temperature_before_a_round():
+    res = CliRunner().invoke(app, ["iterate", "--old-log-probs", "rollout", "--temperature", "0.7"])
+    assert res.exit_code == 1 and "--temperature 1" in res.output
+    res = CliRunner().invoke(app, ["iterate", "--rollout-is", "tis", "--temperature", "0.5"])
+    assert res.exit_code == 1 and "--rollout-is tis" in res.output

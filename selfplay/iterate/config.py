@@ -203,6 +203,27 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             raise ValueError("guide: a guide plays with a scripted partner or itself, not an API")
         return self
 
+    @model_validator(mode="after")
+    def _rollout_log_probs(self) -> IterateConfig:
+        """The generator's log-probs stand for the trainer's only at temperature 1 (see
+        train.trainer): refused here, before a round is played, rather than at its train."""
+        train = self.train
+        uses = [
+            flag
+            for flag, on in (
+                ("--rollout-is tis", train.rollout_is == "tis"),
+                ("--old-log-probs rollout", train.old_log_probs == "rollout"),
+            )
+            if on
+        ]
+        if uses and self.sampling.temperature not in (0.0, 1.0):
+            raise ValueError(
+                f"{' and '.join(uses)}: the generator's log-probs at --temperature "
+                f"{self.sampling.temperature:g} are not the trainer's (temperature 1); generate "
+                "with --temperature 1 or leave the option out"
+            )
+        return self
+
     @property
     def warm_start_dir(self) -> Path:
         return self.checkpoint_root / self.name / "warm_start"
