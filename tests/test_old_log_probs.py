@@ -42,9 +42,10 @@ def _cfg(tmp_path: Path, **kw) -> TrainConfig:
 @pytest.mark.parametrize("option", [{"rollout_is": "tis"}, {"old_log_probs": "rollout"}])
 def test_log_probs_sampled_at_another_temperature_are_refused(tmp_path, option):
     rows = _rows(tmp_path, 0.7)
-    with pytest.raises(TrainDataError, match=r"sampled at temperature 0\.7.*--temperature 1"):
+    with pytest.raises(TrainDataError, match=r"sampled at temperature 0\.7.*--policy-temperature"):
         _check_rollout_log_probs(rows, _cfg(tmp_path, **option))
     _check_rollout_log_probs(_rows(tmp_path, 1.0), _cfg(tmp_path, **option))  # the same: fine
+    _check_rollout_log_probs(rows, _cfg(tmp_path, policy_temperature=0.7, **option))
 
 
 def test_rollout_old_log_probs_need_the_temperature_and_no_guide_rows(tmp_path):
@@ -59,11 +60,13 @@ def test_rollout_old_log_probs_need_the_temperature_and_no_guide_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path, temperature):
+    """At temperature 1, and at 0.7 with the trainer scoring its policy at 0.7 too."""
     games = tmp_path / "games"
     res = CliRunner().invoke(app, [
         "generate", "--model", str(primed_model), "--out", str(games), "--num-games", "8",
-        "--games-per-scenario", "4", "--table-size", "3", "--temperature", "1",
+        "--games-per-scenario", "4", "--table-size", "3", "--temperature", str(temperature),
         "--max-new-tokens", "40", "--dtype", "fp32", "--seed", "4",
     ])  # fmt: skip
     assert res.exit_code == 0, res.output
@@ -72,7 +75,7 @@ def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path
     assert res.exit_code == 0, res.output
     data = games / "train.parquet"
     table = pq.read_table(data)
-    assert set(table.column("temperature").to_pylist()) == {1.0}
+    assert table.column("temperature").to_pylist() == [pytest.approx(temperature)] * len(table)
 
     # the recorded log-probs against a fresh forward pass of the same weights (fp32)
     from transformers import AutoModelForCausalLM
@@ -82,7 +85,8 @@ def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path
     for row in table.to_pylist():
         ids = row["prompt_ids"] + row["response_ids"]
         with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+            logits = model(torch.tensor([ids])).logits[0, :-1].float()
+            logp = torch.log_softmax(logits / temperature, -1)
         n = len(row["prompt_ids"])
         got = logp[n - 1 :].gather(1, torch.tensor(row["response_ids"])[:, None])[:, 0]
         mask = np.array(row["response_mask"], bool)
@@ -100,6 +104,7 @@ def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path
         res = CliRunner().invoke(app, [
             "train", "--data", str(data), "--model", str(primed_model), "--out", str(outs[mode]),
             "--lr", "1e-3", "--dtype", "fp32", "--old-log-probs", mode,
+            "--policy-temperature", str(temperature),
             "--mini-batch-size", str(n // 2),
         ], env={"TRAIN_BATCH_SIZE": str(n), "MICRO_BATCH_SIZE": "4"})  # fmt: skip
         assert res.exit_code == 0, res.output
@@ -118,6 +123,6 @@ def test_rollout_old_log_probs_train_like_recomputed_ones(primed_model, tmp_path
 
 def test_iterate_refuses_rollout_log_probs_of_another_temperature_before_a_round():
     res = CliRunner().invoke(app, ["iterate", "--old-log-probs", "rollout", "--temperature", "0.7"])
-    assert res.exit_code == 1 and "--temperature 1" in res.output
+    assert res.exit_code == 1 and "--policy-temperature 1" in res.output
     res = CliRunner().invoke(app, ["iterate", "--rollout-is", "tis", "--temperature", "0.5"])
     assert res.exit_code == 1 and "--rollout-is tis" in res.output

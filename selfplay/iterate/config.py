@@ -216,11 +216,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             )
             if on
         ]
-        if uses and self.sampling.temperature not in (0.0, 1.0):
+        t, policy = self.sampling.temperature, train.policy_temperature
+        if uses and (t or 1.0) != policy:
             raise ValueError(
-                f"{' and '.join(uses)}: the generator's log-probs at --temperature "
-                f"{self.sampling.temperature:g} are not the trainer's (temperature 1); generate "
-                "with --temperature 1 or leave the option out"
+                f"{' and '.join(uses)}: the generator's log-probs at --temperature {t:g} are not "
+                f"the trainer's (--policy-temperature {policy:g}); set them equal or leave the "
+                "option out"
             )
         return self
 
@@ -278,6 +279,7 @@ TRAIN_ADDED_LATER = {
     "dtype": "auto",  # older runs stored None, read as auto
     "guide_gamma": 0.1,
     "old_log_probs": "recompute",
+    "policy_temperature": 1.0,
 }
 
 

@@ -267,13 +267,14 @@ def row_advantages(rows: Rows, std_norm: bool = True) -> np.ndarray:
     return adv[:, 0].numpy()
 
 
-def to_tensordict(tensors: dict[str, torch.Tensor], **non_tensors):
-    """Tensors in verl's padded layout -> the no-padding TensorDict its workers take."""
+def to_tensordict(tensors: dict[str, torch.Tensor], temperature: float = 1.0, **non_tensors):
+    """Tensors in verl's padded layout -> the no-padding TensorDict its workers take; verl scores
+    log-softmax(logits / ``temperature``)."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    proto = DataProto.from_dict(tensors=dict(tensors), meta_info={"temperature": 1.0})
+    proto = DataProto.from_dict(tensors=dict(tensors), meta_info={"temperature": temperature})
     td = left_right_2_no_padding(proto.to_tensordict())
     tu.assign_non_tensor(td, **non_tensors)
     return td

@@ -90,11 +90,18 @@ class TrainerOptions(BaseModel):
         description="none: actor log-probs only; tis: truncated importance sampling against the "
         "rollout log-probs.",
     )
+    policy_temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="The temperature the trainer scores its policy at, log-softmax(logits / T): "
+        "the generation temperature trains the policy that sampled the rows (verl's convention) "
+        "and makes the generator's log-probs usable (--rollout-is tis, --old-log-probs rollout).",
+    )
     old_log_probs: Literal["recompute", "rollout"] = Field(
         "recompute",
         description="recompute: the actor scores the rows before each step (one more forward "
         "pass); rollout: the generator's own log-probs stand in for them (no pass), for rows the "
-        "model sampled itself at temperature 1 from the weights being trained.",
+        "model sampled itself at --policy-temperature from the weights being trained.",
     )
     dtype: ComputeDtype = "auto"
     gpus: Gpus = 0

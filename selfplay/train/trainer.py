@@ -196,14 +196,10 @@ def plan(cfg: TrainConfig) -> Plan:
     return Plan(rows, advantages, pad_id, batch, mini, steps, micro)
 
 
-# The temperature the trainer scores its policy at: log-softmax(logits / 1). Greedy rows (0)
-# carry the plain log-softmax too.
-POLICY_TEMPERATURES = (0.0, 1.0)
-
-
 def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
     """The generator's log-probs stand for the trainer's only where they are the same quantity:
-    present, the model's own (no guide row), and sampled at the temperature the trainer scores
+    present, the model's own (no guide row), and sampled at the temperature the trainer scores its
+    policy at, ``--policy-temperature`` (greedy rows, 0, carry the plain log-softmax: 1)
     (``--rollout-is tis`` compares them, ``--old-log-probs rollout`` uses them as they are)."""
     uses = [
         flag
@@ -221,13 +217,14 @@ def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
         )
     temps = rows.temperature
     known = temps[np.isfinite(temps)] if temps is not None else np.array([])
-    off = sorted({float(t) for t in known if t not in POLICY_TEMPERATURES})
+    policy = cfg.policy_temperature
+    off = sorted({round(float(t), 6) for t in known if abs((t or 1.0) - policy) > 1e-6})
     if off:
         raise TrainDataError(
             f"{what}: rows were sampled at temperature {', '.join(f'{t:g}' for t in off)}, so "
             "their log-probs are log-softmax(logits / T) while the trainer scores the policy at "
-            "temperature 1: the two are not the same quantity. Generate at --temperature 1 to "
-            "use them, or leave the option out"
+            f"--policy-temperature {policy:g}: the two are not the same quantity. Set "
+            "--policy-temperature to the generation temperature, or leave the option out"
         )
     if cfg.old_log_probs == "rollout":
         if rows.off_policy is not None:

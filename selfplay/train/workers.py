@@ -121,9 +121,12 @@ class _Calls:
     actor: Any
     ref: Any
     config: Any  # verl's actor_rollout_ref config the workers were built from
+    temperature: float = 1.0  # the policy is scored at log-softmax(logits / temperature)
 
     def log_probs(self, batch: dict[str, torch.Tensor], entropy: bool = False) -> dict:
-        td = to_tensordict(_model_inputs(batch), **_meta(calculate_entropy=entropy))
+        td = to_tensordict(
+            _model_inputs(batch), self.temperature, **_meta(calculate_entropy=entropy)
+        )
         out = self.actor.compute_log_prob(td)
         from verl.utils import tensordict_utils as tu
 
@@ -137,7 +140,7 @@ class _Calls:
             raise RuntimeError("no reference worker was built (kl_coef is 0)")
         from verl.utils import tensordict_utils as tu
 
-        td = to_tensordict(_model_inputs(batch), **_meta())
+        td = to_tensordict(_model_inputs(batch), self.temperature, **_meta())
         out = self.ref.compute_ref_log_prob(td)
         return from_nested(tu.get(out, "log_probs"), td)
 
@@ -145,7 +148,11 @@ class _Calls:
         """The PPO loss of ``batch`` under the current weights, forward only (no update)."""
         from verl.utils import tensordict_utils as tu
 
-        td = _tensordict(batch, **_meta(compute_loss=True, global_batch_size=len(batch["prompts"])))
+        td = _tensordict(
+            batch,
+            temperature=self.temperature,
+            **_meta(compute_loss=True, global_batch_size=len(batch["prompts"])),
+        )
         out = self.actor.compute_log_prob(td)
         return float(tu.get(out, "metrics")["loss"])
 
@@ -162,6 +169,7 @@ class _Calls:
 
         td = _tensordict(
             batch,
+            temperature=self.temperature,
             calculate_entropy=entropy,
             compute_loss=True,
             global_batch_size=mini_batch_size,
@@ -338,6 +346,7 @@ class LocalWorkers(_Calls):
 
         config = worker_config(cfg, total_steps)
         self.config = config
+        self.temperature = cfg.policy_temperature
         self.ref = None
         with _restored_environ():
             _init_single_process_group(cfg.device)
@@ -392,6 +401,7 @@ class RayWorkers(_Calls):
 
         per_node = max(1, cfg.gpus)
         pool = RayResourcePool([per_node] * cfg.nodes, use_gpu=not cpu, max_colocate_count=1)
+        self.temperature = cfg.policy_temperature
         config = worker_config(cfg, total_steps)
         self.config = config
         remote = ray.remote(ActorRolloutRefWorker)
