@@ -88,7 +88,21 @@ class ServerEngine:
         raise NotImplementedError
 
     async def read_model_info(self) -> None:
-        """Set ``max_context`` (and whatever else the server says about its model)."""
+        """Set ``max_context`` (and whatever else the server says about its model); by default
+        from ``/v1/models``, which SGLang and vLLM both serve."""
+        model = await self.served_model()
+        length = model.get("max_model_len") if model else None
+        if isinstance(length, int):
+            self.max_context = length
+
+    async def served_model(self) -> dict | None:
+        """The first entry of ``/v1/models`` (None when the server gives none)."""
+        try:
+            r = await self.client().get("/v1/models", timeout=10.0)
+            models = r.json().get("data") if r.status_code == 200 else None
+        except (*RETRYABLE, ValueError, AttributeError):
+            return None
+        return models[0] if models and isinstance(models[0], dict) else None
 
     def probe_hint(self, answer: str) -> str:
         """A hint appended to a refused probe's message (e.g. the version a field needs)."""

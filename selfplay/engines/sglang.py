@@ -4,8 +4,9 @@ Nothing here imports sglang: the server may live in another Python environment (
 Each request is one POST /generate with ``input_ids`` and ``return_logprob``; the server batches
 concurrent requests itself (continuous batching), so every game's request goes out at once.
 Token ids and log-probs come from ``meta_info.output_token_logprobs`` ([logprob, id, text] per
-generated token, EOS included), checked against ``completion_tokens``. Launching, health, retries
-and shutdown are ``ServerEngine``'s (engines/server.py).
+generated token, EOS included), checked against ``completion_tokens``. Launching, health, retries,
+shutdown and the context length (``/v1/models``: SGLang's ``/model_info`` has none, checked
+against the 0.5.23 release in tests/test_sglang_release.py) are ``ServerEngine``'s.
 """
 
 from __future__ import annotations
@@ -48,18 +49,6 @@ class SGLangEngine(ServerEngine):
         if c.mem_fraction is not None:
             cmd += ["--mem-fraction-static", str(c.mem_fraction)]
         return cmd + list(c.extra_args)
-
-    async def read_model_info(self) -> None:
-        """The context length from ``/v1/models`` (``max_model_len``): SGLang's ``/model_info``
-        has none (checked against the 0.5.23 release, tests/test_sglang_release.py)."""
-        try:
-            r = await self.client().get("/v1/models", timeout=10.0)
-            models = r.json().get("data") if r.status_code == 200 else None
-        except (*RETRYABLE, ValueError, AttributeError):
-            return
-        length = models[0].get("max_model_len") if models and isinstance(models[0], dict) else None
-        if isinstance(length, int):
-            self.max_context = length
 
     def probe_hint(self, answer: str) -> str:
         return " (sampling_seed needs SGLang >= 0.5.6)" if "sampling_seed" in answer else ""

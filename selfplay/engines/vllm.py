@@ -126,20 +126,12 @@ class VLLMEngine(ServerEngine):
         return env
 
     async def read_model_info(self) -> None:
-        """The served model's name and context length from /v1/models."""
-        try:
-            r = await self.client().get("/v1/models", timeout=10.0)
-        except RETRYABLE as e:
-            raise EngineFailure(f"vLLM server at {self.url}: GET /v1/models failed: {e}") from e
-        models = r.json().get("data") if r.status_code == 200 else None
-        if not models:
-            raise EngineFailure(
-                f"vLLM server at {self.url} lists no model at /v1/models: {r.text[:300]}"
-            )
-        self.served = models[0]["id"]
-        length = models[0].get("max_model_len")
-        if isinstance(length, int):
-            self.max_context = length
+        """The served model's name (requests must use it) and context length, from /v1/models."""
+        model = await self.served_model()
+        if model is None or "id" not in model:
+            raise EngineFailure(f"vLLM server at {self.url} lists no model at /v1/models")
+        self.served = model["id"]
+        await super().read_model_info()
 
     async def _probe(self) -> None:
         """Besides the generic probe: the log-probs must be after temperature. The two most

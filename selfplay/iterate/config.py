@@ -205,19 +205,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
 
     @model_validator(mode="after")
     def _rollout_log_probs(self) -> IterateConfig:
-        """The generator's log-probs stand for the trainer's only at temperature 1 (see
+        """The generator's log-probs stand for the trainer's only at its policy temperature (see
         train.trainer): refused here, before a round is played, rather than at its train."""
         train = self.train
-        uses = [
-            flag
-            for flag, on in (
-                ("--rollout-is tis", train.rollout_is == "tis"),
-                ("--old-log-probs rollout", train.old_log_probs == "rollout"),
-            )
-            if on
-        ]
+        uses = train.rollout_log_prob_uses
         t, policy = self.sampling.temperature, train.policy_temperature
-        if uses and (t or 1.0) != policy:
+        if uses and not train.scores_like(t):
             raise ValueError(
                 f"{' and '.join(uses)}: the generator's log-probs at --temperature {t:g} are not "
                 f"the trainer's (--policy-temperature {policy:g}); set them equal or leave the "

@@ -111,6 +111,23 @@ class TrainerOptions(BaseModel):
     )
     nodes: int = Field(1, ge=1, description="Nodes of that Ray cluster (--gpus per node).")
 
+    @property
+    def rollout_log_prob_uses(self) -> list[str]:
+        """The options that read the generator's log-probs as the trainer's own (their flags)."""
+        return [
+            flag
+            for flag, on in (
+                ("--rollout-is tis", self.rollout_is == "tis"),
+                ("--old-log-probs rollout", self.old_log_probs == "rollout"),
+            )
+            if on
+        ]
+
+    def scores_like(self, sampled: float) -> bool:
+        """Whether tokens sampled at temperature ``sampled`` carry the log-probs this trainer
+        scores (log-softmax(logits / policy_temperature)); greedy (0) carries the plain ones."""
+        return abs((sampled or 1.0) - self.policy_temperature) <= 1e-6  # float32 columns
+
 
 class TrainConfig(TrainerOptions):
     """Everything ``selfplay.train.train`` needs; nothing else."""

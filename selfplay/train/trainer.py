@@ -201,12 +201,7 @@ def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
     present, the model's own (no guide row), and sampled at the temperature the trainer scores its
     policy at, ``--policy-temperature`` (greedy rows, 0, carry the plain log-softmax: 1)
     (``--rollout-is tis`` compares them, ``--old-log-probs rollout`` uses them as they are)."""
-    uses = [
-        flag
-        for flag, on in (("--rollout-is tis", cfg.rollout_is == "tis"),
-                         ("--old-log-probs rollout", cfg.old_log_probs == "rollout"))
-        if on
-    ]  # fmt: skip
+    uses = cfg.rollout_log_prob_uses
     if not uses:
         return
     what = " and ".join(uses)
@@ -218,7 +213,7 @@ def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
     temps = rows.temperature
     known = temps[np.isfinite(temps)] if temps is not None else np.array([])
     policy = cfg.policy_temperature
-    off = sorted({round(float(t), 6) for t in known if abs((t or 1.0) - policy) > 1e-6})
+    off = sorted({round(float(t), 6) for t in known if not cfg.scores_like(float(t))})
     if off:
         raise TrainDataError(
             f"{what}: rows were sampled at temperature {', '.join(f'{t:g}' for t in off)}, so "
