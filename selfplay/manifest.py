@@ -17,6 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from selfplay.errors import UserError
+from selfplay.game import DEFAULT_GAME
 from selfplay.metrics import HeldOut
 
 MANIFEST_VERSION = 1
@@ -55,6 +56,7 @@ class RunSettings(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model: str | None = None
+    game: str = DEFAULT_GAME
     table_size: int = 8
     partner: str | None = None
     policy_seat: Literal[1, 2] = 1

@@ -16,6 +16,7 @@ from selfplay.cli import app
 from selfplay.evaluate.config import EvalConfig, EvalError, EvalResult, ModelSpec, load_result
 from selfplay.evaluate.human import human_reference
 from selfplay.evaluate.run import run_models
+from selfplay.game import MATCHING
 from selfplay.seeds import eval_scenario_seed, scenario_seed
 
 TESTS = Path(__file__).resolve().parent
@@ -116,7 +117,7 @@ def test_sampled_games_per_scenario_and_cross_play_partner():
 
 def test_human_reference_from_the_data(human_games, monkeypatch):
     monkeypatch.delenv("SELFPLAY_HUMAN_DATA", raising=False)
-    row = human_reference()
+    row = human_reference(MATCHING)
     assert row.games == 134
     assert row.reward_mean == pytest.approx(0.921, abs=0.001)
     assert row.reward_ci_low < row.reward_mean < row.reward_ci_high
@@ -129,11 +130,9 @@ def test_human_reference_from_the_data(human_games, monkeypatch):
 
 
 def test_human_reference_without_data_is_the_stored_constant(tmp_path, monkeypatch):
-    from selfplay.evaluate.human import HUMAN_REFERENCE
-
     monkeypatch.setenv("SELFPLAY_HUMAN_DATA", str(tmp_path / "missing.jsonl"))
-    row = human_reference()
-    assert row.reward_mean == HUMAN_REFERENCE == 0.921
+    row = human_reference(MATCHING)
+    assert row.reward_mean == MATCHING.human.reference == 0.921
     assert "stored constant" in row.source and "134 human games of DialOp" in row.source
 
 
@@ -304,7 +303,6 @@ def test_policy_seat_2_puts_the_partner_first(tiny_model, tmp_path):
 def test_api_partner_in_eval_gets_the_persona_and_the_key_stays_out(
     tiny_model, tmp_path, monkeypatch
 ):
-    from selfplay.players.api import SHY_PERSONA
     from tests.chat_standin import ChatStandIn
 
     secret = "sk-test-very-secret-0123456789"
@@ -321,7 +319,7 @@ def test_api_partner_in_eval_gets_the_persona_and_the_key_stays_out(
     assert code == 0, output
     assert asked, "the API partner was never asked"
     first = asked[0]["body"]["messages"]
-    assert first[0] == {"role": "system", "content": SHY_PERSONA}
+    assert first[0] == {"role": "system", "content": MATCHING.partner_persona}
     assert asked[0]["headers"].get("authorization") == f"Bearer {secret}"
     rows = {r.name: r for r in _load(out).rows}
     assert rows["no-talk"].seat1 == "openai:standin-model"

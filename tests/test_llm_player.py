@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from selfplay.engines import Generation, GenerationRequest
+from selfplay.game import MATCHING
 from selfplay.game.matching.rules import generate_scenario
 from selfplay.generate.play import play_game
 from selfplay.players.llm import ChatFormat, ContextFull, LLMPlayer, TemplateError, load_chat_format
@@ -143,7 +144,9 @@ def test_a_full_context_ends_the_game_as_an_error_not_a_crash(chat):
     players = tuple(
         LLMPlayer(engine, chat, sampling=SamplingParams(max_new_tokens=64), seed=s) for s in (0, 1)
     )
-    record = asyncio.run(play_game(scenario, players, game_id="g", seed=0, max_actions=30))
+    record = asyncio.run(
+        play_game(scenario, players, game_id="g", seed=0, max_actions=30, game=MATCHING)
+    )
     assert record.outcome == "error"
     assert ContextFull.__name__ in (record.error or "")
     assert all(len(t.token_ids) <= 700 for t in record.tokens if t)

@@ -27,7 +27,7 @@ from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.iterate.loop import iterate
 from selfplay.iterate.resume import Run
 from selfplay.metrics import summarize
-from selfplay.players.api import SHY_PERSONA, PartnerCallCap, open_partner_client
+from selfplay.players.api import PartnerCallCap, open_partner_client
 from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.players.partners import (
     OpenAIPartner,
@@ -287,7 +287,7 @@ def test_api_partner_sends_the_shy_persona_retries_429_and_counts(tmp_path, chat
     for r in answered:
         body = r["body"]
         assert body["model"] == MODEL and body["temperature"] == 0.0
-        assert body["messages"][0] == {"role": "system", "content": SHY_PERSONA}
+        assert body["messages"][0] == {"role": "system", "content": MATCHING.partner_persona}
         roles = [m["role"] for m in body["messages"][1:]]
         assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
         assert r["headers"]["authorization"] == f"Bearer {SECRET}"

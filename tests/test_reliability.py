@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.fileio import LOCK_NAME, FolderBusy, folder_lock
+from selfplay.game import MATCHING
 from selfplay.records import iter_game_records
 
 GEN = ["--table-size", "3", "--max-new-tokens", "24", "--max-actions", "6"]
@@ -153,7 +154,7 @@ def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
 
     run = tmp_path / "run"
     run.mkdir()
-    games = play_scripted(("cooperative", "cooperative"), num_games=3, seed=0, n=3)
+    games = play_scripted(MATCHING, ("cooperative", "cooperative"), num_games=3, seed=0, n=3)
     (run / "metrics.jsonl").write_bytes(
         orjson.dumps({"round": 0, **summarize(games).model_dump()}) + b"\n"
     )
@@ -162,7 +163,9 @@ def test_report_uses_the_runs_table_size(tmp_path, monkeypatch):
     )
     (run / "manifest.json").write_text(manifest.model_dump_json())
     seen = []
-    monkeypatch.setattr(report, "baseline_rewards", lambda n: seen.append(n) or {"random": 0.5})
+    monkeypatch.setattr(
+        report, "baseline_rewards", lambda game, n: seen.append(n) or {"random": 0.5}
+    )
     assert CliRunner().invoke(app, ["report", str(run)]).exit_code == 0
     assert seen == [3]
     # a manifest that is not one is said so, in one line

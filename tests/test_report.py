@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.evaluate.scripted import play_scripted
+from selfplay.game import MATCHING
 from selfplay.iterate.report import ReportError, write_report
 from selfplay.metrics import summarize
 from selfplay.records import append_records
@@ -17,7 +18,7 @@ def test_report_from_a_run_directory(tmp_path):
     run = tmp_path / "run"
     lines = []
     for k in range(2):
-        games = play_scripted(("cooperative", "shy"), num_games=4, seed=k, n=3)
+        games = play_scripted(MATCHING, ("cooperative", "shy"), num_games=4, seed=k, n=3)
         (run / f"round_{k}").mkdir(parents=True)
         append_records(run / f"round_{k}" / "games.jsonl", games)
         train = {"pg_loss": 0.01, "kl": None, "clip_frac": 0.1, "tokens_per_s": 100.0}

@@ -10,6 +10,7 @@ import pytest
 
 from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
 from selfplay.evaluate.config import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
+from selfplay.game import MATCHING
 from selfplay.game.matching.scripted import make_scripted
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import plan_games
@@ -78,22 +79,22 @@ def test_seating_puts_the_policy_where_the_partner_spec_says():
 
     scenario = generate_scenario(1, 3)
     me = _named("me")
-    assert seating(me).players(scenario, 9) == (("me", 0, 9), ("me", 1, 9))
-    assert seating(me, "self").players(scenario, 9)[1] == ("me", 1, 9)
-    one, two = seating(me, "scripted:shy", policy_seat=2).players(scenario, 9)
+    assert seating(me, game=MATCHING).players(scenario, 9) == (("me", 0, 9), ("me", 1, 9))
+    assert seating(me, "self", game=MATCHING).players(scenario, 9)[1] == ("me", 1, 9)
+    one, two = seating(me, "scripted:shy", policy_seat=2, game=MATCHING).players(scenario, 9)
     assert two == ("me", 1, 9)
     assert one.config.kind == "scripted" and one.config.name == "shy"
-    one, two = seating(me, ScriptedPartner("cooperative")).players(scenario, 9)
+    one, two = seating(me, ScriptedPartner("cooperative"), game=MATCHING).players(scenario, 9)
     assert one == ("me", 0, 9) and two.config.name == "cooperative"
     # the scripted seat's seed derives from the game seed, as in generate and eval before
     from selfplay.seeds import derive_seed
 
     want = make_scripted("random", scenario, 1, seed=derive_seed(9, 1))
-    got = scripted_seat("random")(scenario, 1, 9)
+    got = scripted_seat("random", MATCHING)(scenario, 1, 9)
     assert got.config == want.config
     assert got.rng.bit_generator.state == want.rng.bit_generator.state
     with pytest.raises(ValueError, match="needs a PartnerClient"):
-        seating(me, OpenAIPartner("gpt-4.1"))
+        seating(me, OpenAIPartner("gpt-4.1"), game=MATCHING)
     with pytest.raises(ValueError, match="policy_seat is 1 or 2"):
         Seating(me, me, policy_seat=3)
     assert Seating(me, _named("b")).players(scenario, 1) == (("me", 0, 1), ("b", 1, 1))
@@ -155,7 +156,7 @@ def test_play_many_keeps_at_most_concurrency_games_in_flight_and_reports_each_on
         finished.append((spec.index, record.game_id))
 
     async def go():
-        scenarios = Scenarios(3)
+        scenarios = Scenarios(3, game=MATCHING)
         try:
             await play_many(
                 _plan(9), _seating(gate_of, log), scenarios, count=9, concurrency=3,
@@ -171,9 +172,9 @@ def test_play_many_keeps_at_most_concurrency_games_in_flight_and_reports_each_on
 
 def test_play_plan_returns_the_records_in_plan_order():
     async def go():
-        scenarios = Scenarios(3)
+        scenarios = Scenarios(3, game=MATCHING)
         try:
-            seats = Seating(scripted_seat("cooperative"))
+            seats = Seating(scripted_seat("cooperative", MATCHING))
             limits = dict(max_actions=12, max_invalid=3)
             return await play_plan(_plan(5), seats, scenarios, concurrency=2, **limits)
         finally:
@@ -204,7 +205,7 @@ def test_a_failure_cancels_the_games_in_flight_and_awaits_them(how):
     reported = []
 
     async def go():
-        scenarios = Scenarios(3)
+        scenarios = Scenarios(3, game=MATCHING)
         task = asyncio.create_task(
             play_many(
                 _plan(6), _seating(gate_of, log), scenarios, count=6, concurrency=3,
@@ -232,7 +233,7 @@ def test_scenarios_are_shared_kept_or_forgotten():
     plan = eval_plan(7, 3, 2)
 
     async def go(keep: bool):
-        scenarios = Scenarios(3, keep=keep)
+        scenarios = Scenarios(3, game=MATCHING, keep=keep)
         try:
             first = scenarios.get(plan[0])
             assert scenarios.get(plan[1]) is first  # game 1 plays the same scenario
@@ -254,7 +255,7 @@ def test_scenarios_are_shared_kept_or_forgotten():
 def test_every_summary_key_is_a_row_field_or_left_out_on_purpose():
     from selfplay.evaluate.scripted import play_scripted
 
-    summary = summarize(play_scripted(("cooperative", "shy"), num_games=3, seed=1, n=3))
+    summary = summarize(play_scripted(MATCHING, ("cooperative", "shy"), num_games=3, seed=1, n=3))
     keys = set(type(summary).model_fields) - {"partner"}  # partner: generate's API usage
     row_fields = set(EvalRow.model_fields)
     assert keys <= row_fields | NOT_IN_ROW

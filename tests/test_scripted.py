@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.evaluate.scripted import evaluate_scripted, play_scripted
-from selfplay.game import generate_scenario, parse_proposal
+from selfplay.game import MATCHING, generate_scenario, parse_proposal
 from selfplay.game.matching.prompts import intro
 from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS, mentions
 from selfplay.game.matching.scripted import (
@@ -45,9 +45,9 @@ def test_values_parse_from_the_cooperative_message():
 
 def test_cooperative_pair_agrees_on_small_tables():
     """With every value heard, two cooperative seats settle on 3x3 (they ran out of actions)."""
-    result = evaluate_scripted(("cooperative", "cooperative"), num_games=100, seed=7, n=3)
-    assert result["agreement_rate"] == 1.0
-    assert result["reward_mean"] >= 0.9
+    result = evaluate_scripted(MATCHING, ("cooperative", "cooperative"), num_games=100, seed=7, n=3)
+    assert result.summary.agreement_rate == 1.0
+    assert result.summary.reward_mean >= 0.9
 
 
 def test_partner_events_split_and_strip_choices():
@@ -160,18 +160,18 @@ def test_unknown_scripted_name_is_a_clear_error():
 
 
 def test_baselines_order():
-    coop = evaluate_scripted(("cooperative", "cooperative"), num_games=60, seed=7)
-    no_talk = evaluate_scripted(("no-talk", "no-talk"), num_games=60, seed=7)
-    rand = evaluate_scripted(("random", "random"), num_games=60, seed=7)
-    assert coop["reward_mean"] >= 0.95
-    assert no_talk["reward_mean"] < 0.85
-    assert rand["reward_mean"] < no_talk["reward_mean"]
-    assert coop["invalid_action_rate"] == 0.0
+    coop = evaluate_scripted(MATCHING, ("cooperative", "cooperative"), num_games=60, seed=7)
+    no_talk = evaluate_scripted(MATCHING, ("no-talk", "no-talk"), num_games=60, seed=7)
+    rand = evaluate_scripted(MATCHING, ("random", "random"), num_games=60, seed=7)
+    assert coop.summary.reward_mean >= 0.95
+    assert no_talk.summary.reward_mean < 0.85
+    assert rand.summary.reward_mean < no_talk.summary.reward_mean
+    assert coop.summary.invalid_action_rate == 0.0
 
 
 def test_scripted_games_are_deterministic():
-    a = play_scripted(("random", "cooperative"), num_games=5, seed=3)
-    b = play_scripted(("random", "cooperative"), num_games=5, seed=3)
+    a = play_scripted(MATCHING, ("random", "cooperative"), num_games=5, seed=3)
+    b = play_scripted(MATCHING, ("random", "cooperative"), num_games=5, seed=3)
 
     def strip(r):
         return r.model_dump_json(exclude={"timings"})
@@ -197,20 +197,10 @@ def test_eval_cli_writes_documented_keys(tmp_path):
     )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    for key in (
-        "players",
-        "games",
-        "reward_mean",
-        "reward_ci_low",
-        "reward_ci_high",
-        "agreement_rate",
-        "mean_actions",
-        "mean_words",
-        "invalid_action_rate",
-        "optimal_rate",
-        "outcomes",
-    ):
-        assert key in data
+    from selfplay.metrics import GameSummary
+
+    assert data["players"] == ["cooperative", "no-talk"] and data["seed"] == 1
+    assert set(GameSummary.model_fields) - {"partner"} <= set(data)  # the typed summary, whole
     assert data["games"] == 10
     assert data["reward_ci_low"] <= data["reward_mean"] <= data["reward_ci_high"]
 
@@ -222,11 +212,13 @@ def test_eval_cli_rejects_unknown_player():
 
 
 def test_inquisitive_asks_the_shy_partner_and_scores_far_above_cooperative():
-    inq = evaluate_scripted(("inquisitive", "shy"), num_games=60, seed=7, n=3)
-    coop = evaluate_scripted(("cooperative", "shy"), num_games=60, seed=7, n=3)
-    assert inq["direct_questions_per_game"] >= 2 and coop["direct_questions_per_game"] == 0
-    assert inq["reward_mean"] >= 0.8 > 0.5 > coop["reward_mean"]
-    assert inq["invalid_action_rate"] == 0.0
+    inq = evaluate_scripted(MATCHING, ("inquisitive", "shy"), num_games=60, seed=7, n=3)
+    coop = evaluate_scripted(MATCHING, ("cooperative", "shy"), num_games=60, seed=7, n=3)
+    assert (
+        inq.summary.direct_questions_per_game >= 2 and coop.summary.direct_questions_per_game == 0
+    )
+    assert inq.summary.reward_mean >= 0.8 > 0.5 > coop.summary.reward_mean
+    assert inq.summary.invalid_action_rate == 0.0
 
 
 def test_inquisitive_questions_name_one_cell_it_does_not_know_and_it_answers_questions():
@@ -250,5 +242,5 @@ def test_cooperative_answers_a_proposal_before_sharing_its_values():
     reject: a message there is invalid, and three of them used to end every such game."""
     from selfplay.evaluate.scripted import evaluate_scripted
 
-    s = evaluate_scripted(("no-talk", "cooperative"), num_games=30, seed=7, n=3)
-    assert s["invalid_action_rate"] == 0.0 and s["agreement_rate"] > 0.8
+    s = evaluate_scripted(MATCHING, ("no-talk", "cooperative"), num_games=30, seed=7, n=3)
+    assert s.summary.invalid_action_rate == 0.0 and s.summary.agreement_rate > 0.8

@@ -125,8 +125,35 @@ def test_eval_plays_a_model_and_the_games_own_baselines(registered, tiny_model):
     assert set(rows) == {"tiny", "teller", "guesser"}
     assert rows["teller"].reward_mean == 1.0 and rows["teller"].games == 3
     assert rows["tiny"].games == 3 and rows["tiny"].outcomes.get("invalid") == 3
-    with pytest.raises(ValidationError, match=r"warm_start\n.*--game sum has no teacher games"):
+    with pytest.raises(ValidationError, match=r"warm_start\n.*NAME one of teller, guesser"):
         IterateConfig(
             name="r", iterations=1, model="m", engine={"kind": "hf", "model": "m"},
-            game="sum", table_size=2, warm_start="scripted:teller:8",
+            game="sum", table_size=2, warm_start="scripted:cooperative:8",
         )  # fmt: skip
+
+
+def test_the_second_game_gets_teacher_games_and_a_warm_start(registered, tiny_model, tmp_path):
+    """Teacher games play through the rollout path for any game: sft's rows of the sum game's
+    scripted teller, and iterate takes it as a warm start."""
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.sft import SFTConfig, build_rows
+    from selfplay.players.llm import load_chat_format
+    from selfplay.records import iter_game_records
+
+    cfg = SFTConfig(
+        model=str(tiny_model), out=tmp_path / "sft", game="sum", table_size=2,
+        teacher="scripted:teller:3,scripted:guesser:2", max_length=512,
+    )  # fmt: skip
+    _, sources = build_rows(cfg, load_chat_format(str(tiny_model)))
+    records = list(iter_game_records(cfg.data_dir / "games.jsonl"))
+    assert [r.game for r in records] == ["sum"] * 5
+    assert [r.seats[0].name for r in records] == ["teller"] * 3 + ["guesser"] * 2
+    assert len({r.scenario_id for r in records}) == 5  # the second source starts where one ended
+    assert sources == {"teacher scripted:teller": 6, "teacher scripted:guesser": 4}
+    with pytest.raises(ValidationError, match="the sum game has no recorded human games"):
+        SFTConfig(model="m", out=tmp_path, game="sum", table_size=2, human_data=tmp_path)
+    run = IterateConfig(
+        name="r", iterations=1, model="m", engine={"kind": "hf", "model": "m"},
+        game="sum", table_size=2, warm_start="scripted:teller:8",
+    )  # fmt: skip
+    assert run.warm_start == "scripted:teller:8"

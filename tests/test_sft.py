@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from selfplay.cli import app
+from selfplay.game import MATCHING
 from selfplay.generate.teacher import teacher_seed
 from selfplay.iterate.sft import SFTConfig, build_rows
 from selfplay.players.llm import load_chat_format
@@ -62,8 +63,7 @@ def _assert_rows_are_the_games_actions(table, games_path, chat) -> None:
 def test_human_games_become_rows_of_both_seats_under_the_rendering_policy(
     human_games, tiny_model, tmp_path
 ):
-    from selfplay.game.matching.human import HumanReplay
-    from selfplay.generate.teacher import human_records
+    from selfplay.generate.teacher import HumanReplay, human_records
 
     src = tmp_path / "human.jsonl"
     src.write_text("".join(json.dumps(g) + "\n" for g in human_games[:4]))
@@ -76,7 +76,7 @@ def test_human_games_become_rows_of_both_seats_under_the_rendering_policy(
     # the whole file: most games replay to the logged accept, scored as the humans were
     src.write_text("".join(json.dumps(g) + "\n" for g in human_games))
     stats = HumanReplay()
-    records = list(human_records(src, chat, stats))
+    records = list(human_records(MATCHING, src, chat, stats))
     assert stats.games == 134 and stats.complete == 115 and stats.dropped_messages == 145
     assert sum(stats.stopped.values()) == 134 - 115
     assert all(r.counts["invalid"] == 0 for r in records)
@@ -90,6 +90,70 @@ def test_teacher_scenarios_are_training_seeds_not_eval_seeds():
     seeds = {teacher_seed(0, i) for i in range(200)}
     assert all(s % 2 == 0 for s in seeds)
     assert not seeds & {eval_scenario_seed(7, i) for i in range(200)}
+
+
+@pytest.mark.parametrize(
+    ("teacher", "partner", "clone", "first"),
+    [
+        ("cooperative", None, "both", 0),
+        ("inquisitive", "shy", "1", 3),
+        ("random", "no-talk", "2", 0),
+    ],
+)
+def test_teacher_games_through_the_rollout_path_are_the_sequential_loops_games(
+    tiny_model, teacher, partner, clone, first
+):
+    """Teacher games moved from their own sequential loop to rollout.play_plan: the records (ids,
+    scenarios, seeds, actions, token ids, masks) are the ones that loop played, game for game."""
+    import asyncio
+
+    from selfplay.generate.play import play_game
+    from selfplay.generate.teacher import SFT_SPACE, play_teacher_games
+    from selfplay.players.teacher import TeacherPlayer
+    from selfplay.seeds import derive_seed
+
+    chat = load_chat_format(str(tiny_model))
+    names = (teacher, partner or teacher)
+    cloned = {"both": (0, 1), "1": (0,), "2": (1,)}[clone]
+
+    async def sequential() -> list:  # the loop teacher games were played by before
+        records = []
+        for i in range(first, first + 4):
+            sseed = teacher_seed(7, i)
+            scenario = MATCHING.new_scenario(sseed, 3)
+            gseed = derive_seed(SFT_SPACE, 7, i)
+            seats = []
+            for seat in (0, 1):
+                policy = names[0] if seat in cloned else names[1]
+                player = MATCHING.scripted(policy, scenario, seat, seed=derive_seed(gseed, seat))
+                seats.append(TeacherPlayer(player, chat) if seat in cloned else player)
+            record = await play_game(
+                scenario,
+                tuple(seats),
+                game_id=f"sft-s{sseed}-g0",
+                seed=gseed,
+                max_actions=12,
+                game=MATCHING,
+            )
+            records.append(record)
+        return records
+
+    got = play_teacher_games(
+        chat,
+        game=MATCHING,
+        teacher=f"scripted:{teacher}",
+        partner=partner,
+        clone=clone,
+        num_games=4,
+        seed=7,
+        table_size=3,
+        max_actions=12,
+        first=first,
+    )
+    want = asyncio.run(sequential())
+    dump = lambda rs: [r.model_dump(mode="json", exclude={"timings"}) for r in rs]  # noqa: E731
+    assert dump(got) == dump(want)
+    assert all(r.tokens[s] is not None for r in got for s in cloned)
 
 
 @pytest.mark.slow

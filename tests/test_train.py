@@ -254,6 +254,7 @@ def test_a_full_disk_leaves_nothing_half_written_and_a_retry_works(tmp_path, mon
     import errno
 
     from selfplay.train import trainer
+    from selfplay.train.publish import DiskFull
 
     out = tmp_path / "model"
 
@@ -264,7 +265,7 @@ def test_a_full_disk_leaves_nothing_half_written_and_a_retry_works(tmp_path, mon
 
     monkeypatch.setattr(trainer, "_train", full)
     cfg = TrainConfig(data=tmp_path / "x.parquet", model=str(tmp_path), out=out)
-    with pytest.raises(trainer.DiskFull, match=r"disk filled up .* MiB are free"):
+    with pytest.raises(DiskFull, match=r"disk filled up .* MiB are free"):
         trainer.train(cfg)
     assert not out.exists() and not list(tmp_path.glob(".model.partial*"))
 

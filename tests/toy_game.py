@@ -154,6 +154,9 @@ class SumGame:
     max_size = 5
     scenario_type = SumScenario
     scripted_names = ("teller", "guesser")
+    baselines = heldout_baselines = scripted_names
+    partner_persona = None  # no API partner
+    human = None  # no recorded human games
 
     def new_scenario(self, seed: int, size: int) -> SumScenario:
         rng = random.Random(f"sum/{seed}/{size}")

@@ -28,7 +28,7 @@ from selfplay.engines import (
 )
 from selfplay.errors import UserError
 from selfplay.fileio import atomic_write
-from selfplay.game import MATCHING, DialogueGame, game_of
+from selfplay.game import DEFAULT_GAME, game_of, get_game
 from selfplay.generate.config import PlayOptions
 from selfplay.hardware import ComputeDtype
 from selfplay.metrics import GameSummary
@@ -38,9 +38,6 @@ from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out 
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
 
 log = logging.getLogger(__name__)
-
-
-BASELINES = ("cooperative", "no-talk", "random")
 
 
 EVAL_SCHEMA_VERSION = 1
@@ -68,12 +65,6 @@ class ModelSpec(BaseModel):
 
     label: str = Field(min_length=1)
     model: str = Field(min_length=1)
-
-
-def default_baselines(game: DialogueGame) -> tuple[str, ...]:
-    """Eval's baseline rows when none are named: ``BASELINES`` for the matching game, another
-    game's own scripted players."""
-    return BASELINES if game is MATCHING else tuple(game.scripted_names)
 
 
 def _scripted_name(name: str, names: Sequence[str]) -> str:
@@ -109,7 +100,7 @@ class EvalConfig(PartnerOptions, PlayOptions):
     )
     baselines: tuple[str, ...] | None = Field(
         None,
-        validate_default=True,  # None becomes the game's default_baselines
+        validate_default=True,  # None becomes the game's baselines
         description="Scripted baseline rows (empty for none; default: cooperative, no-talk, "
         "random; another game: its scripted players).",
     )
@@ -147,9 +138,9 @@ class EvalConfig(PartnerOptions, PlayOptions):
     @field_validator("baselines")
     @classmethod
     def _baselines_known(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...]:
-        game = game_of(info) or MATCHING
+        game = game_of(info) or get_game(DEFAULT_GAME)
         if v is None:
-            return default_baselines(game)
+            return game.baselines
         return tuple(_scripted_name(b, game.scripted_names) for b in v)
 
     @field_validator("models")

@@ -1,68 +1,48 @@
-"""The human reference row: the 134 DialOp human games, or the stored constant."""
+"""The human reference row: a game's recorded human games (``DialogueGame.human``), or their stored
+mean when the file is not found."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
 from selfplay.evaluate.config import EvalError, EvalRow
-from selfplay.game import MATCHING
+from selfplay.game import DialogueGame
 from selfplay.metrics import mean_ci
-
-HUMAN_REFERENCE = 0.921  # mean normalised reward of the 134 DialOp human games (shared/dialop-data)
-
 
 HUMAN_DATA_ENV = "SELFPLAY_HUMAN_DATA"
 
 
-# ../shared/dialop-data beside the repository (where tests/conftest.py finds the human games too)
-DEFAULT_HUMAN_DATA = (
-    Path(__file__).resolve().parents[3] / "shared" / "dialop-data" / "optimization.jsonl"
-)
+def human_reference(game: DialogueGame, path: str | Path | None = None) -> EvalRow | None:
+    """The human row of ``game`` (None when it has no human games): computed from its recorded
+    human games when found, else their stored mean.
 
-
-HUMAN_SOURCE = (
-    "mean normalised reward (score / best assignment) of the 134 human games of DialOp "
-    "(Lin et al., 'Decision-Oriented Dialogue for Human-AI Collaboration', "
-    "dialop-data/optimization.jsonl)"
-)
-
-
-def human_reference(path: str | Path | None = None) -> EvalRow:
-    """The human row: computed from the DialOp human games when found, else the stored constant.
-
-    ``path`` None: $SELFPLAY_HUMAN_DATA, else ../shared/dialop-data/optimization.jsonl beside the
-    repository. Reward is score / best assignment (the dataset's result.norm).
+    ``path`` None: $SELFPLAY_HUMAN_DATA, else the game's default (matching: DialOp's
+    optimization.jsonl in ../shared/dialop-data beside the repository).
     """
-    file = Path(path or os.environ.get(HUMAN_DATA_ENV) or DEFAULT_HUMAN_DATA)
+    human = game.human
+    if human is None:
+        return None
+    file = Path(path or os.environ.get(HUMAN_DATA_ENV) or human.default_path)
     base = {"name": "human", "kind": "human", "seat1": "human", "seat2": "human"}
     if not file.is_file():
         return EvalRow(
             **base,
-            games=134,
-            reward_mean=HUMAN_REFERENCE,
+            games=human.reference_games,
+            reward_mean=human.reference,
             agreement_rate=1.0,
-            source=f"stored constant selfplay.evaluate.HUMAN_REFERENCE: {HUMAN_SOURCE}; "
+            source=f"stored constant {game.name}.human.reference: {human.source}; "
             f"{file} was not found",
         )
-    games = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    games = human.outcomes(file)
     if not games:
-        raise EvalError(f"{file} holds no human games; point --human-data at optimization.jsonl")
-    rewards, actions, words, agreed = [], [], [], 0
-    direct, general = [], []
-    for g in games:
-        rewards.append(g["result"]["score"] / g["best_assignment_reward"])
-        log_ = g["action_log"]
-        messages = [a["message"]["data"] for a in log_ if a["type"] == "message"]
-        actions.append(len(log_))
-        words.append(sum(len(m.split()) for m in messages))
-        kinds = [MATCHING.classify_question(m) for m in messages]  # the human games are matching
-        direct.append(kinds.count("direct"))
-        general.append(kinds.count("general"))
-        agreed += any(a["type"] == "proposal_response" and a["response"]["accept"] for a in log_)
+        raise EvalError(f"{file} holds no human games; point --human-data at the game's file")
+    rewards = [g.reward for g in games]
+    kinds = [[game.classify_question(m) for m in g.messages] for g in games]
+    direct = [k.count("direct") for k in kinds]
+    general = [k.count("general") for k in kinds]
     mean, lo, hi = mean_ci(rewards)
     return EvalRow(
         **base,
@@ -71,13 +51,13 @@ def human_reference(path: str | Path | None = None) -> EvalRow:
         reward_ci_low=lo,
         reward_ci_high=hi,
         reward_std=float(np.std(rewards, ddof=1)),
-        agreement_rate=agreed / len(games),
-        mean_actions=float(np.mean(actions)),
-        mean_words=float(np.mean(words)),
+        agreement_rate=float(np.mean([g.agreed for g in games])),
+        mean_actions=float(np.mean([g.actions for g in games])),
+        mean_words=float(np.mean([sum(len(m.split()) for m in g.messages) for g in games])),
         questions_per_game=float(np.mean(direct) + np.mean(general)),
         direct_questions_per_game=float(np.mean(direct)),
         general_questions_per_game=float(np.mean(general)),
         optimal_rate=float(np.mean([r >= 1.0 for r in rewards])),
-        source=f"computed from {len(games)} human games in {file} ({HUMAN_SOURCE}); "
-        "8x8 tables, actions count messages, proposals and responses",
+        source=f"computed from {len(games)} human games in {file} ({human.source}); "
+        "actions count messages, proposals and responses",
     )

@@ -17,9 +17,9 @@ and seating as ``selfplay generate`` (``rollout.play_many``, ``rollout.seating``
   for a matrix of rewards and, per model, the gap between its self-play reward and its mean
   cross-play reward (a gap that widens across rounds means private conventions).
 
-It adds the human reference row (the 134 DialOp human games: computed from
-``dialop-data/optimization.jsonl`` when the file is found, else the stored constant
-``HUMAN_REFERENCE`` with its source) and returns an ``EvalResult`` whose ``rows`` are the table.
+For a game with recorded human games (``DialogueGame.human``; matching: the 134 DialOp games) it
+adds the human reference row (computed from the file when found, else the stored mean with its
+source) and returns an ``EvalResult`` whose ``rows`` are the table.
 Each row is built from ``metrics.summarize`` key by key (``summary_fields``): a summary key the row
 neither has nor leaves out on purpose (``NOT_IN_ROW``) is an error, never a silent drop.
 
@@ -68,7 +68,7 @@ from selfplay.evaluate.config import (
     summary_fields,
 )
 from selfplay.evaluate.human import human_reference
-from selfplay.game import MATCHING, get_game
+from selfplay.game import get_game
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -289,8 +289,9 @@ async def run_eval_async(config: EvalConfig) -> EvalResult:
         for lm in kept:
             await lm.engine.aclose()
         await ev.aclose()
-    if config.game == MATCHING.name:  # the human games are matching games
-        rows.append(human_reference(config.human_data))
+    human = human_reference(get_game(config.game), config.human_data)
+    if human is not None:  # the game has recorded human games
+        rows.append(human)
     result = EvalResult(
         config=config,
         scenario_seeds=ev.seeds,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from selfplay.evaluate.config import EvalError
-from selfplay.game.matching.scripted import make_scripted
+from selfplay.game import DialogueGame, get_game
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -14,12 +17,13 @@ from selfplay.generate.rollout import (
     Seating,
     play_plan,
 )
-from selfplay.metrics import summarize
+from selfplay.metrics import GameSummary, summarize
 from selfplay.records import GameRecord
 from selfplay.seeds import eval_scenario_seed
 
 
 def play_scripted(
+    game: DialogueGame,
     players: tuple[str, str],
     *,
     num_games: int,
@@ -28,14 +32,15 @@ def play_scripted(
     max_actions: int = 30,
     max_invalid: int = 3,
 ) -> list[GameRecord]:
-    """Play ``num_games`` games of two scripted policies, one fresh held-out scenario each.
+    """Play ``num_games`` games of two of ``game``'s scripted policies, one fresh held-out scenario
+    each.
 
     Game ``i`` has id ``eval-{i}`` and seed ``eval_scenario_seed(seed, i)``; seat ``s`` plays with
     seed + 1 + s (the seeds these games always had, kept so that stored baselines still hold).
     """
 
     def seat(name: str) -> SeatFactory:
-        return lambda scenario, s, gseed: make_scripted(name, scenario, s, seed=gseed + 1 + s)
+        return lambda scenario, s, gseed: game.scripted(name, scenario, s, seed=gseed + 1 + s)
 
     plan = []
     for i in range(num_games):
@@ -43,7 +48,7 @@ def play_scripted(
         plan.append(GameSpec(i, i, sseed, 0, f"eval-{i}", sseed))
 
     async def run() -> list[GameRecord]:
-        scenarios = Scenarios(n)
+        scenarios = Scenarios(n, game=game)
         try:
             pair = Seating(seat(players[0]), seat(players[1]))
             limits = dict(max_actions=max_actions, max_invalid=max_invalid)
@@ -54,10 +59,28 @@ def play_scripted(
     return asyncio.run(run())
 
 
-def evaluate_scripted(players: tuple[str, str], **kwargs) -> dict:
-    """Summary (see metrics.summarize) of scripted games plus the pair that played them."""
-    summary = summarize(play_scripted(players, **kwargs))
-    return {"players": list(players), **kwargs, **summary.model_dump(exclude={"partner"})}
+@dataclass(frozen=True)
+class ScriptedPair:
+    """A scripted pair's games, summarised (what ``selfplay eval --players`` prints and writes)."""
+
+    players: tuple[str, str]
+    num_games: int
+    seed: int
+    n: int
+    summary: GameSummary
+
+    def as_dict(self) -> dict:
+        """The JSON ``eval --players --out`` writes: the pair, its settings and its summary."""
+        settings = {"players": list(self.players), "num_games": self.num_games, "seed": self.seed}
+        return {**settings, "n": self.n, **self.summary.model_dump(exclude={"partner"})}
+
+
+def evaluate_scripted(
+    game: DialogueGame, players: tuple[str, str], *, num_games: int, seed: int, n: int = 8, **limits
+) -> ScriptedPair:
+    """The summary (see metrics.summarize) of ``play_scripted``'s games, with the pair."""
+    games = play_scripted(game, players, num_games=num_games, seed=seed, n=n, **limits)
+    return ScriptedPair(players, num_games, seed, n, summarize(games))
 
 
 def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
@@ -70,13 +93,25 @@ def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
     return pair[0], pair[1]
 
 
-def scripted_table(names: tuple[str, str], num_games: int, summary: dict):
-    """A scripted pair's summary as a rich table (what ``selfplay eval --players`` prints)."""
-    import json
+def run_scripted_pair(
+    game_name: str, players: str, *, out: Path | None = None, **options
+) -> ScriptedPair:
+    """``selfplay eval --players A,B``: the pair's games summarised (``evaluate_scripted``'s
+    options), its JSON written to ``out`` when given."""
+    game = get_game(game_name)
+    pair = evaluate_scripted(game, scripted_pair(players, game.scripted_names), **options)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(pair.as_dict(), indent=2) + "\n")
+    return pair
 
+
+def scripted_table(pair: ScriptedPair):
+    """A scripted pair's summary as a rich table (what ``selfplay eval --players`` prints)."""
     from rich.table import Table
 
-    table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {num_games} games")
+    names, summary = pair.players, pair.summary
+    table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {pair.num_games} games")
     for key in (
         "reward_mean",
         "reward_ci_low",
@@ -88,6 +123,6 @@ def scripted_table(names: tuple[str, str], num_games: int, summary: dict):
         "optimal_rate",
         "questions_per_game",
     ):
-        table.add_row(key, f"{summary[key]:.4f}")
-    table.add_row("outcomes", json.dumps(summary["outcomes"]))
+        table.add_row(key, f"{getattr(summary, key):.4f}")
+    table.add_row("outcomes", json.dumps(summary.outcomes))
     return table

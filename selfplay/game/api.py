@@ -25,13 +25,20 @@ Contract (one line each):
 - ``classify_question(text, scenario)`` labels a message ``direct`` (asks about a specific item
   of the scenario), ``general`` (any other question) or ``none``; ``direct_question(scenario)`` is
   one obvious direct question, for checks and documentation.
+- ``baselines`` (eval's default scripted rows) and ``heldout_baselines`` (iterate's held-out
+  rows) name scripted players of the game; ``partner_persona`` is the system prompt of an API
+  model playing the partner who only answers direct questions (None: the game has none);
+  ``human`` is the game's recorded human games (None: it has none), for the human reference row
+  and ``selfplay sft --human-data``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Generic, Literal, Protocol, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from selfplay.seats import Player
 
@@ -139,3 +146,43 @@ class DialogueGame(Protocol, Generic[S]):
         ...
 
     def direct_question(self, scenario: S) -> str: ...
+
+    baselines: tuple[str, ...]  # eval's scripted rows when none are named
+    heldout_baselines: tuple[str, ...]  # iterate's held-out scripted rows
+    partner_persona: str | None  # the API partner's system prompt; None: no API partner
+    human: HumanData | None  # the recorded human games; None: the game has none
+
+
+@dataclass(frozen=True)
+class HumanOutcome:
+    """One recorded human game, as the human reference row counts it."""
+
+    reward: float  # normalised like the game's own reward
+    actions: int
+    messages: tuple[str, ...]  # the players' messages, in order
+    agreed: bool
+
+
+@dataclass(frozen=True)
+class HumanGame:
+    """One recorded human game replayed through the game's rules: its scenario and the turns each
+    seat plays (a replay that stops early says why in ``stopped``)."""
+
+    scenario: Any
+    turns: tuple[tuple[int, str], ...]  # (seat, text) in playing order
+    stopped: str | None
+    dropped_messages: int  # logged messages the rendering policy could not keep
+
+
+class HumanData(Protocol):
+    """A game's recorded human games: read for the human reference row (``outcomes``) and replayed
+    as behaviour-cloning rows (``replays``)."""
+
+    default_path: Path  # where they are looked for when no path is given
+    reference: float  # their mean reward, stored for when the file is missing
+    reference_games: int  # how many games that mean is over
+    source: str  # what the reference is, with its citation
+
+    def outcomes(self, path: Path) -> list[HumanOutcome]: ...
+
+    def replays(self, path: Path) -> Iterator[HumanGame]: ...

@@ -38,6 +38,10 @@ MEMBERS = (
     "scripted",
     "classify_question",
     "direct_question",
+    "baselines",
+    "heldout_baselines",
+    "partner_persona",
+    "human",
 )
 # Texts no game may accept as an action: empty, blank, control characters, symbols, 100k chars.
 _SYMBOLS = string.punctuation.replace("[", "") + " "
@@ -145,6 +149,17 @@ def _check_scripted_names(game: DialogueGame) -> tuple[str, ...]:
     names = tuple(game.scripted_names)
     _expect(names, game, "scripted", "no scripted players (scripted_names is empty)")
     _expect(len(set(names)) == len(names), game, "scripted", f"duplicate names in {names}")
+    for member in ("baselines", "heldout_baselines"):
+        rows = tuple(getattr(game, member))
+        unknown = [b for b in rows if b not in names]
+        _expect(rows and not unknown, game, member, f"{rows} must name scripted players {names}")
+    persona = game.partner_persona
+    _expect(
+        persona is None or (isinstance(persona, str) and persona.strip()),
+        game,
+        "partner_persona",
+        "must be None or a non-empty system prompt",
+    )
     return names
 
 

@@ -10,12 +10,10 @@ iterate's config is composed of too; each field's ``description`` is its command
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of
-from selfplay.game.matching.rules import MAX_N, MIN_N
 from selfplay.players import partners
 from selfplay.records import SamplingParams
 
@@ -39,9 +37,18 @@ IDENTITY_FIELDS = (
 ADDED_LATER = {"policy_seat": 1, "partner_base_url": None, "game": DEFAULT_GAME}
 
 
-TableSize = Annotated[  # the matching game's sizes (sft's teacher games are matching games)
-    int, Field(ge=MIN_N, le=MAX_N, description="Table size n (n reviewers x n papers).")
-]
+def size_of_the_game(size: int, info: ValidationInfo) -> int:
+    """A ``table_size`` validator: the size must be one of the model's ``game`` (declared before
+    it); no game (its own error is reported): the size passes."""
+    game = game_of(info)
+    if game is not None and not game.min_size <= size <= game.max_size:
+        raise ValueError(
+            f"the {game.name} game's sizes are {game.min_size} to {game.max_size}, not {size}"
+        )
+    return size
+
+
+SIZE_HELP = "Table size n (matching: n reviewers x n papers, 3 to 8; another game: its own sizes)."
 
 
 class PlayOptions(BaseModel):
@@ -54,8 +61,7 @@ class PlayOptions(BaseModel):
     )
     table_size: int = Field(
         8,
-        description=f"Table size n (n reviewers x n papers, {MIN_N} to {MAX_N}); another game: "
-        "its own size.",
+        description=SIZE_HELP,
     )
     max_actions: int = Field(
         30,
@@ -69,13 +75,8 @@ class PlayOptions(BaseModel):
 
     @field_validator("table_size")
     @classmethod
-    def _size_of_the_game(cls, size: int, info: ValidationInfo) -> int:
-        game = game_of(info)  # None: the game's own error is reported
-        if game is not None and not game.min_size <= size <= game.max_size:
-            raise ValueError(
-                f"the {game.name} game's sizes are {game.min_size} to {game.max_size}, not {size}"
-            )
-        return size
+    def _size(cls, size: int, info: ValidationInfo) -> int:
+        return size_of_the_game(size, info)
 
 
 class GenerateOptions(partners.PartnerOptions, PlayOptions):

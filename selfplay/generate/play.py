@@ -2,7 +2,7 @@
 
 The loop is the only place where the rules meet the players: it hands each seat what it was shown
 since its last turn and feeds the seat's answer back into the rules. It knows games only through
-the ``DialogueGame`` interface (``game=``, the matching game by default). A player that raises
+the ``DialogueGame`` interface (``game=``). A player that raises
 ends the game with outcome ``error`` (reward 0) and the message kept in the record; an
 ``EngineFailure`` (defined in ``selfplay.errors``, re-exported here) propagates.
 """
@@ -13,7 +13,7 @@ import logging
 import time
 
 from selfplay.errors import EngineFailure
-from selfplay.game import MATCHING, DialogueGame, Outcome
+from selfplay.game import DialogueGame, Outcome
 from selfplay.game.api import Rules
 from selfplay.players import Player
 from selfplay.records import ActionRecord, GameRecord
@@ -32,7 +32,7 @@ async def play_game(
     round: int = 0,
     max_actions: int = 30,
     max_invalid: int = 3,
-    game: DialogueGame = MATCHING,
+    game: DialogueGame,
 ) -> GameRecord:
     """Run one game of ``game`` on ``scenario`` (one of its scenarios) to its end and return its
     record. Engine failures propagate (EngineFailure)."""
@@ -76,7 +76,7 @@ def build_record(
     round: int,
     error: str | None,
     seconds: float,
-    game: str = MATCHING.name,
+    game: str,
 ) -> GameRecord:
     """The record of finished ``rules`` of the game called ``game`` (a name in ``GAMES``)."""
     actions = [

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfplay.engines import Engine
-from selfplay.game import MATCHING, DialogueGame
+from selfplay.game import DialogueGame
 from selfplay.generate.play import play_game
 from selfplay.players import Player
 from selfplay.players.api import ApiPartner, PartnerClient
@@ -137,7 +137,7 @@ def llm_seat(
     return make
 
 
-def scripted_seat(name: str, game: DialogueGame = MATCHING) -> SeatFactory:
+def scripted_seat(name: str, game: DialogueGame) -> SeatFactory:
     """The seat of ``game``'s scripted policy ``name`` (one of its ``scripted_names``)."""
 
     def make(scenario: Scenario, seat: int, seed: int) -> Player:
@@ -175,7 +175,7 @@ def seating(
     *,
     policy_seat: int = 1,
     partner_client: PartnerClient | None = None,
-    game: DialogueGame = MATCHING,
+    game: DialogueGame,
 ) -> Seating:
     """The seating of ``policy`` across a partner spec (or its text, see ``parse_partner``).
 
@@ -214,7 +214,7 @@ class Scenarios:
     whose rows replay the same scenarios.
     """
 
-    def __init__(self, size: int, *, keep: bool = False, game: DialogueGame = MATCHING) -> None:
+    def __init__(self, size: int, *, game: DialogueGame, keep: bool = False) -> None:
         self.size = size
         self.keep = keep
         self.game = game

@@ -18,7 +18,7 @@ from pydantic import (
 from selfplay.convert import ConvertOptions
 from selfplay.engines import EngineConfig
 from selfplay.errors import UserError
-from selfplay.game import DEFAULT_GAME, MATCHING, game_of
+from selfplay.game import DEFAULT_GAME, game_of
 from selfplay.generate.config import GenerateOptions
 from selfplay.train.config import TrainerOptions
 
@@ -150,13 +150,9 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     @classmethod
     def _warm_start_form(cls, v: str | None, info: ValidationInfo) -> str | None:
         game = game_of(info)
-        if v is not None and game is not None and game is not MATCHING:
-            raise ValueError(
-                "the warm start clones the matching game's scripted players (selfplay sft); "
-                f"--game {game.name} has no teacher games yet: drop --warm-start"
-            )
         if v is not None and v.startswith("scripted:"):
-            parse_warm_start(v)
+            if game is not None:  # else: the game's own error is reported
+                parse_warm_start(v, game.name)
         elif v is not None:  # a model: a mistyped directory fails here, before anything is kept
             from selfplay.models import ModelNotFound, resolve_model
 
@@ -273,6 +269,8 @@ TRAIN_ADDED_LATER = {
     "guide_gamma": 0.1,
     "old_log_probs": "recompute",
     "policy_temperature": 1.0,
+    "lora_rank": 0,
+    "lora_alpha": 16,
 }
 
 
@@ -299,12 +297,13 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_warm_start(spec: str) -> tuple[tuple[str, int], ...]:
-    """``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` -> ((NAME, GAMES), ...); ValueError naming
-    the accepted forms."""
+def parse_warm_start(spec: str, game: str = DEFAULT_GAME) -> tuple[tuple[str, int], ...]:
+    """``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` -> ((NAME, GAMES), ...), NAME a scripted
+    player of ``game``; ValueError naming the accepted forms."""
+    from selfplay.game import get_game
     from selfplay.generate.teacher import teacher_sources
 
     try:
-        return teacher_sources(spec, None)
+        return teacher_sources(spec, None, get_game(game).scripted_names)
     except ValueError as e:
         raise ValueError(f"warm start: {e}; or a model directory") from None

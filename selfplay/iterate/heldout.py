@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from selfplay.game import MATCHING, get_game
+from selfplay.game import get_game
 from selfplay.generate.config import PlayOptions
 from selfplay.iterate.child import _hold, isolated
 from selfplay.iterate.config import IterateConfig, IterateError
@@ -20,16 +20,6 @@ from selfplay.players.partners import PartnerOptions
 from selfplay.records import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _heldout_baselines(name: str) -> tuple[str, ...]:
-    """The held-out baseline rows: eval's default ones, and for the matching game inquisitive too
-    (the asking reference, the upper bound beside a shy partner)."""
-    from selfplay.evaluate.config import default_baselines
-
-    game = get_game(name)
-    names = default_baselines(game)
-    return (*names, "inquisitive") if game is MATCHING else names
 
 
 def warm_start_config(cfg: IterateConfig):
@@ -51,7 +41,7 @@ def warm_start_config(cfg: IterateConfig):
         lr=cfg.warm_start_lr,
         epochs=cfg.warm_start_epochs,
         mini_batch_size=cfg.warm_start_mini_batch_size,
-        **cfg.model_dump(include={"table_size", "max_actions", "seed", "max_length"}),
+        **cfg.model_dump(include={"game", "table_size", "max_actions", "seed", "max_length"}),
         **cfg.train.model_dump(include={"dtype", "micro_batch_size", "gpus", "ray_address"}),
     )
 
@@ -111,7 +101,7 @@ def _heldout_eval(
             num_scenarios=cfg.eval_scenarios,
             seed=cfg.eval_seed,
             sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
-            baselines=_heldout_baselines(cfg.game) if baselines else (),
+            baselines=get_game(cfg.game).heldout_baselines if baselines else (),
             **where,
             out=out,
             **cfg.model_dump(

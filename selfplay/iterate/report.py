@@ -18,10 +18,9 @@ import orjson
 from pydantic import ValidationError
 
 from selfplay.errors import UserError
-from selfplay.evaluate.config import BASELINES
-from selfplay.evaluate.human import HUMAN_REFERENCE
 from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
+from selfplay.game import DEFAULT_GAME, DialogueGame, get_game
 from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
 
@@ -57,11 +56,15 @@ def read_metrics(run_dir: str | Path) -> list[RoundMetrics]:
     return sorted(rows, key=lambda r: r.round)
 
 
-def baseline_rewards(n: int = 8, num_games: int = 50, seed: int = 0) -> dict[str, float]:
-    """Mean reward of each scripted baseline in self-play on held-out scenarios."""
+def baseline_rewards(
+    game: DialogueGame, n: int = 8, num_games: int = 50, seed: int = 0
+) -> dict[str, float]:
+    """Mean reward of each of ``game``'s scripted baselines in self-play on held-out scenarios."""
     return {
-        name: evaluate_scripted((name, name), num_games=num_games, seed=seed, n=n)["reward_mean"]
-        for name in BASELINES
+        name: evaluate_scripted(
+            game, (name, name), num_games=num_games, seed=seed, n=n
+        ).summary.reward_mean
+        for name in game.baselines
     }
 
 
@@ -284,6 +287,11 @@ def write_report(
     rows = read_metrics(run_dir)
     manifest = _run_manifest(run_dir)
     n = n or (manifest.settings.table_size if manifest else 8)
+    game = get_game(manifest.settings.game if manifest else DEFAULT_GAME)
+    if not game.min_size <= n <= game.max_size:
+        raise ReportError(
+            f"--table-size {n}: the {game.name} game's sizes are {game.min_size} to {game.max_size}"
+        )
     where = f"{n}x{n}, scripted self-play on 50 held-out scenarios"
     if baselines is None and manifest and manifest.baselines:  # the run's own held-out scenarios
         baselines = {k: v.reward_mean for k, v in manifest.baselines.items()}
@@ -291,8 +299,10 @@ def write_report(
         who = f"each scripted policy + `{partner}`" if partner else "scripted self-play"
         where = f"{who} on this run's held-out scenarios"
     if baselines is None:
-        baselines = baseline_rewards(n)
-    lines = {**{f"scripted {k}": v for k, v in baselines.items()}, "human": HUMAN_REFERENCE}
+        baselines = baseline_rewards(game, n)
+    lines = {f"scripted {k}": v for k, v in baselines.items()}
+    if game.human is not None:
+        lines["human"] = game.human.reference
     plots = {
         "reward": _line_plot(
             rows,
@@ -369,7 +379,11 @@ def write_report(
     md.append(
         f"Baselines ({where}): "
         + ", ".join(f"{k} {v:.3f}" for k, v in baselines.items())
-        + f"; human reference {HUMAN_REFERENCE} (134 DialOp human games)."
+        + (
+            f"; human reference {game.human.reference} ({game.human.reference_games} human games)."
+            if game.human is not None
+            else "."
+        )
     )
     md.append("")
     for name, path in plots.items():

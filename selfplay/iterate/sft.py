@@ -11,8 +11,9 @@ with verl's SFT loss on the same workers as ``selfplay train`` (``train.sft.trai
   action tokens and the end-of-turn token);
 - ``games=PATH``: a games.jsonl of our own games, keeping the trained seats of games whose reward
   is at least ``min_reward`` (filtered behaviour cloning);
-- ``human_data=PATH``: the DialOp human games (``optimization.jsonl``, 8x8), both seats replayed
-  through our rules and chat format under the rendering policy of ``selfplay.game.matching.human``.
+- ``human_data=PATH``: the game's recorded human games (matching: the DialOp
+  ``optimization.jsonl``, 8x8), both seats replayed through our rules and chat format under the
+  game's rendering policy (``DialogueGame.human.replays``).
 
 Layout: ``OUT/`` is the new Hugging Face model (as ``selfplay train`` writes it, with
 metrics.json); ``OUT/sft_data/`` holds the teacher games (``games.jsonl``) and the rows
@@ -33,13 +34,16 @@ from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
-from selfplay.generate.config import TableSize
+from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
+from selfplay.generate.config import SIZE_HELP, size_of_the_game
 from selfplay.generate.teacher import (
+    HumanReplay,
     filtered_games,
+    human_records,
     play_teacher_games,
     scripted_name,
     teacher_sources,
@@ -50,6 +54,8 @@ from selfplay.train.config import (
     Epochs,
     Gpus,
     LearningRate,
+    LoraAlpha,
+    LoraRank,
     MaxLength,
     MicroBatchSize,
 )
@@ -71,6 +77,9 @@ class SFTConfig(BaseModel):
 
     model: str = Field(description="The model to fine-tune (HF directory or id).")
     out: Path = Field(description="Output: the new HF model dir, metrics.json, sft_data/.")
+    game: GameName = Field(
+        DEFAULT_GAME, description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game)."
+    )
     # sources
     teacher: str | None = Field(
         None,
@@ -87,7 +96,7 @@ class SFTConfig(BaseModel):
         "both", description="teacher: the seats to clone: both, 1 or 2."
     )
     num_games: int = Field(1000, ge=1, description="teacher: games to play and clone.")
-    table_size: TableSize = 3
+    table_size: int = Field(3, description=SIZE_HELP)
     max_actions: int = Field(30, ge=1, description="teacher: actions per game at most.")
     games: Path | None = Field(
         None, description="Clone our own games: a games.jsonl (filtered by --min-reward)."
@@ -95,8 +104,8 @@ class SFTConfig(BaseModel):
     min_reward: float = Field(0.0, description="games: keep games with at least this reward.")
     human_data: Path | None = Field(
         None,
-        description="Clone both seats of the DialOp human games (optimization.jsonl, 8x8), "
-        "replayed through our rules (rendering policy: selfplay.game.matching.human).",
+        description="Clone both seats of the game's human games (matching: DialOp's "
+        "optimization.jsonl, 8x8), replayed through our rules (the game's rendering policy).",
     )
     seed: int = Field(
         0, ge=0, description="Seed: the teacher games' scenarios and the row order derive from it."
@@ -107,19 +116,29 @@ class SFTConfig(BaseModel):
     mini_batch_size: int = Field(8, ge=1, description="Rows per optimizer update.")
     micro_batch_size: MicroBatchSize = 4
     max_length: MaxLength = 4096
+    lora_rank: LoraRank = 0
+    lora_alpha: LoraAlpha = 16
     dtype: ComputeDtype = "auto"
     gpus: Gpus = 0
     ray_address: str | None = Field(None, description="Train on this Ray cluster.")
     save_verl_checkpoint: bool = Field(False, description="Also write verl's checkpoint.")
 
+    @field_validator("table_size")
+    @classmethod
+    def _size(cls, size: int, info: ValidationInfo) -> int:
+        return size_of_the_game(size, info)
+
     @model_validator(mode="after")
     def _sources(self) -> SFTConfig:
         if self.teacher is None and self.games is None and self.human_data is None:
             raise ValueError("give at least one source: teacher, games or human_data")
+        names = get_game(self.game).scripted_names
         if self.teacher is not None:
-            teacher_sources(self.teacher, self.num_games)
+            teacher_sources(self.teacher, self.num_games, names)
         if self.partner is not None:
-            scripted_name(self.partner)
+            scripted_name(self.partner, names)
+        if self.human_data is not None and get_game(self.game).human is None:
+            raise ValueError(f"human_data: the {self.game} game has no recorded human games")
         return self
 
     @property
@@ -154,9 +173,13 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         games_path = data / "games.jsonl"
         games_path.unlink(missing_ok=True)
         first = 0
-        for name, num_games in teacher_sources(config.teacher, config.num_games):
+        game = get_game(config.game)
+        for name, num_games in teacher_sources(
+            config.teacher, config.num_games, game.scripted_names
+        ):
             records = play_teacher_games(
                 chat,
+                game=game,
                 teacher=name,
                 num_games=num_games,
                 first=first,
@@ -180,11 +203,8 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         kept = filtered_games(config.games, config.min_reward)
         add(f"games {config.games} (reward >= {config.min_reward})", kept)
     if config.human_data is not None:
-        from selfplay.game.matching.human import HumanReplay
-        from selfplay.generate.teacher import human_records
-
         stats = HumanReplay()
-        records = list(human_records(config.human_data, chat, stats))
+        records = list(human_records(get_game(config.game), config.human_data, chat, stats))
         human_path = data / "human_games.jsonl"
         human_path.unlink(missing_ok=True)
         append_records(human_path, records)
@@ -215,8 +235,8 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
     """Build the rows and fine-tune ``config.model`` on them; see the module docstring."""
     from selfplay.players.llm import load_chat_format
     from selfplay.train.config import TrainConfig
+    from selfplay.train.publish import check_new_output
     from selfplay.train.sft import train_sft
-    from selfplay.train.trainer import check_new_output
 
     check_new_output(config.out)  # before the teacher plays a single game
     chat = load_chat_format(config.model)

@@ -1,8 +1,9 @@
 """The API partner: a fixed partner played by a chat model behind an OpenAI-compatible endpoint.
 
-``ApiPartner`` is the seat (the ``Player`` protocol): it keeps its own chat, the shy persona as the
-system prompt and each observation as a user turn, and returns the model's reply as its action.
-It has no tokens (``tokens()`` is None), so it never becomes training rows.
+``ApiPartner`` is the seat (the ``Player`` protocol): it keeps its own chat, the game's shy
+persona (``DialogueGame.partner_persona``) as the system prompt and each observation as a user
+turn, and returns the model's reply as its action. It has no tokens (``tokens()`` is None), so it
+never becomes training rows.
 
 ``PartnerClient`` is the managed resource every API seat of a run shares:
 
@@ -52,26 +53,6 @@ from selfplay.records import (
 
 log = logging.getLogger(__name__)
 
-SHY_PERSONA = """\
-You are one of two players in a cooperative game: together you assign reviewers to papers. The \
-first message shows the game's rules and the part of the reviewer-paper similarity table that \
-you can see, in your own scale; your partner sees a different part, in another scale. Every \
-reply must follow the rules' output format and start with [message], [propose], [accept] or \
-[reject].
-
-You are shy. Follow these rules strictly:
-1. Never volunteer information. Do not share any similarity value, reviewer or paper preference \
-unless you are asked for it directly.
-2. Answer only a direct question about one specific reviewer-paper pair (it names one reviewer \
-and one paper). Then give that pair's value from your own table, in one short [message]; if that \
-cell is empty in your table, say that you do not know it.
-3. To a general or vague question (for example "what do you know?", "who is good at BLEU?", \
-"share your scores"), give a vague, noncommittal answer without any numbers.
-4. Judge every proposal honestly by your own table: [accept] it when it is close to the best you \
-can see, [reject] it otherwise.
-5. Let your partner lead: do not make proposals yourself. Keep messages short.
-"""
-
 
 class PartnerCallCap(EngineFailure):
     """The run's partner call cap is spent: stop like an engine failure, keep finished games."""
@@ -85,7 +66,7 @@ class ApiPartnerConfig(BaseModel):
     model: str
     base_url: str = DEFAULT_BASE_URL
     api_key_env: str = DEFAULT_KEY_ENV  # the variable's name, never its value
-    system_prompt: str = SHY_PERSONA
+    system_prompt: str = Field(min_length=1)  # the game's partner_persona
     temperature: float = Field(0.0, ge=0.0)  # greedy: a partner that answers the same way
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(256, ge=1)
@@ -252,15 +233,22 @@ def api_partner_config(
     its cache and usage files go in ``out`` (None: an in-memory cache only)."""
     from selfplay.game import get_game
 
-    spec = parse_partner(options.partner, get_game(options.game).scripted_names)
+    game = get_game(options.game)
+    spec = parse_partner(options.partner, game.scripted_names)
     if not isinstance(spec, OpenAIPartner):
         return None
+    if game.partner_persona is None:
+        raise ValueError(
+            f"--partner openai:{spec.model}: the game {game.name!r} has no partner persona "
+            "(DialogueGame.partner_persona) for an API model to play"
+        )
     extra = {"base_url": options.partner_base_url} if options.partner_base_url else {}
     return ApiPartnerConfig(
         model=spec.model,
         api_key_env=options.partner_key_env,
         concurrency=concurrency,
         max_calls=options.partner_max_calls,
+        system_prompt=game.partner_persona,
         cache_path=out / "partner_cache.jsonl" if out is not None else None,
         usage_path=out / "partner_usage.jsonl" if out is not None else None,
         **extra,

@@ -33,7 +33,7 @@ class SelfPlay:
 
 @dataclass(frozen=True)
 class ScriptedPartner:
-    """A scripted policy from ``selfplay.game.matching.scripted`` plays the other seat."""
+    """One of the game's scripted policies (``DialogueGame.scripted``) plays the other seat."""
 
     name: str
 

@@ -304,13 +304,6 @@ def cpu_worker_env() -> dict[str, str]:
     }
 
 
-def platform_device_name() -> str:
-    """The device verl will use in this process ("cpu", "cuda", ...)."""
-    from verl.utils.device import get_device_name
-
-    return get_device_name()
-
-
 # verl imports this module in each Ray worker (VERL_USE_EXTERNAL_MODULES) while `verl` itself is
 # still importing; registering the platform then is what makes the worker a CPU worker.
 if (

@@ -45,6 +45,17 @@ Gpus = Annotated[int, Field(ge=0, description="GPUs per node (0: CPU, in-process
 MaxLength = Annotated[
     int, Field(ge=2, description="Rows with more prompt + response tokens are left out.")
 ]
+LoraRank = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="LoRA rank (0: full fine-tuning): train low-rank adapters on every linear "
+        "layer (verl's peft path); the exported model has them merged in.",
+    ),
+]
+LoraAlpha = Annotated[
+    int, Field(ge=1, description="LoRA scale: the adapters add alpha / rank * B A.")
+]
 
 
 class TrainerOptions(BaseModel):
@@ -103,6 +114,8 @@ class TrainerOptions(BaseModel):
         "pass); rollout: the generator's own log-probs stand in for them (no pass), for rows the "
         "model sampled itself at --policy-temperature from the weights being trained.",
     )
+    lora_rank: LoraRank = 0
+    lora_alpha: LoraAlpha = 16
     dtype: ComputeDtype = "auto"
     gpus: Gpus = 0
     ray_address: str | None = Field(

@@ -5,6 +5,12 @@ verl's ``huggingface/`` folder holds loadable safetensors, but its config.json s
 the trainer used. ``export_hf_dir`` copies the weights, writes a config.json whose dtype is the
 weights' own and that has no attention override, and saves the tokenizer (with its chat template)
 of the model that was trained, so transformers and SGLang load the directory directly.
+
+With LoRA (``lora=(rank, alpha)``) verl writes the peft-wrapped state dict as it is: the base
+weights under ``...base_layer.weight`` beside ``lora_A``/``lora_B``, every name under
+``base_model.model.``. ``merge_lora`` folds each adapter into its base weight,
+W + alpha / rank * B A (computed in fp32), and restores the model's own names, so the directory is
+a plain model of the base architecture that every engine loads like any other.
 """
 
 from __future__ import annotations
@@ -37,8 +43,54 @@ def safetensors_dtype(path: Path) -> str:
     return floating.pop()
 
 
-def export_hf_dir(src: Path, dst: Path, tokenizer_source: str) -> Path:
-    """Write a loadable HF directory at ``dst`` from verl's ``<checkpoint>/huggingface``."""
+_PEFT_PREFIX = "base_model.model."
+
+
+def merge_lora(state: dict, rank: int, alpha: int) -> dict:
+    """A peft LoRA state dict (names as verl saves them) -> the base model's, adapters merged."""
+    import torch
+
+    state = {k.removeprefix(_PEFT_PREFIX): v for k, v in state.items()}
+    out, scale = {}, alpha / rank
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            out[name] = tensor
+            continue
+        module, _, leaf = name.partition(".base_layer.")
+        if leaf == "weight":
+            a, b = (
+                state[f"{module}.lora_A.default.weight"],
+                state[f"{module}.lora_B.default.weight"],
+            )
+            delta = scale * (b.to(torch.float32) @ a.to(torch.float32))
+            tensor = (tensor.to(torch.float32) + delta).to(tensor.dtype)
+        out[f"{module}.{leaf}"] = tensor
+    left = [k for k in state if ".lora_" in k and k.partition(".lora_")[0] + ".base_layer.weight"
+            not in state]  # fmt: skip
+    if left:
+        raise ValueError(f"LoRA weights without a base layer: {left[:3]}")
+    return out
+
+
+def _write_merged(weights: list[Path], dst: Path, lora: tuple[int, int]) -> None:
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    state = {}
+    for path in weights:
+        state.update(load_file(path))
+    merged = merge_lora(state, *lora)
+    save_torch_state_dict(merged, dst, max_shard_size="5GB", metadata={"format": "pt"})
+    log.info("merged LoRA adapters (rank %d, alpha %d) into %d tensors", *lora, len(merged))
+
+
+def export_hf_dir(
+    src: Path, dst: Path, tokenizer_source: str, *, lora: tuple[int, int] | None = None
+) -> Path:
+    """Write a loadable HF directory at ``dst`` from verl's ``<checkpoint>/huggingface``;
+    ``lora`` (rank, alpha): the weights hold LoRA adapters, merged into the base weights here."""
     src, dst = Path(src), Path(dst)
     weights = sorted(src.glob("*.safetensors"))
     if not weights:
@@ -47,7 +99,11 @@ def export_hf_dir(src: Path, dst: Path, tokenizer_source: str) -> Path:
             "save_contents including 'hf_model'"
         )
     dst.mkdir(parents=True, exist_ok=True)
-    for path in [*weights, *src.glob("*.safetensors.index.json"), src / "generation_config.json"]:
+    if lora is not None:
+        _write_merged(weights, dst, lora)
+        weights = sorted(dst.glob("*.safetensors"))
+    copied = [] if lora is not None else [*weights, *src.glob("*.safetensors.index.json")]
+    for path in [*copied, src / "generation_config.json"]:
         if path.exists():
             shutil.copy2(path, dst / path.name)
     from transformers import AutoTokenizer

@@ -15,13 +15,13 @@ from selfplay.train.batch import (
     collate,
 )
 from selfplay.train.config import TrainConfig
+from selfplay.train.publish import publish
 from selfplay.train.trainer import (
     TrainResult,
     _chunks,
     _drive,
     _export,
     _mean,
-    _publish,
     batch_sizes,
     load_rows,
     micro_batch,
@@ -59,7 +59,7 @@ def train_sft(
     """Supervised fine-tuning on the mask-1 tokens of ``cfg.data`` (rows need no groups), through
     the same verl workers as ``train`` with verl's SFT loss. ``batch_size`` rows go to the workers
     at a time and each ``mini_batch_size`` of them is one optimizer update."""
-    return _publish(cfg, lambda staged: _train_sft(staged, on_step))
+    return publish(cfg, lambda staged: _train_sft(staged, on_step))
 
 
 def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:

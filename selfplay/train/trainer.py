@@ -12,23 +12,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from selfplay.errors import UserError
-from selfplay.fileio import output_lock
 from selfplay.train.batch import (
     Rows,
     TrainDataError,
@@ -39,14 +33,12 @@ from selfplay.train.batch import (
     rows_from_table,
 )
 from selfplay.train.config import TrainConfig
+from selfplay.train.publish import METRICS_FILENAME, publish
 
 log = logging.getLogger(__name__)
 
 
 CHECKPOINT_DIRNAME = "verl_checkpoint"
-
-
-METRICS_FILENAME = "metrics.json"
 
 
 @dataclass
@@ -288,102 +280,12 @@ def _mean(metrics: dict, key: str) -> float | None:
     return float(np.mean([float(v) for v in values]))
 
 
-class OutputExists(UserError, FileExistsError):
-    """--out already holds a model (it is never overwritten)."""
-
-
-def check_new_output(out: Path) -> None:
-    if (out / "config.json").exists():
-        raise OutputExists(f"{out} already holds a model; choose another --out or delete it first")
-
-
-def _check_out(cfg: TrainConfig) -> None:
-    check_new_output(cfg.out)
-    if cfg.resume_from is not None and not Path(cfg.resume_from).is_dir():
-        raise TrainDataError(f"--resume-from {cfg.resume_from} is not a verl checkpoint directory")
-
-
-class DiskFull(UserError, OSError):
-    """The disk filled up while a model was written; nothing half-written is left."""
-
-
-def _publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
-    """Train into a hidden folder beside ``cfg.out``, then move the finished files into
-    ``cfg.out`` (config.json, which marks a complete model, last): a failed, killed or
-    disk-full training leaves no half-written model, and a retry starts clean. A second train
-    into the same ``out`` is refused at once (``output_lock``)."""
-    with output_lock(cfg.out, "selfplay train"):
-        return _publish_locked(cfg, run)
-
-
-def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
-    _check_out(cfg)
-    out = cfg.out
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        with _scratch_tempdir():
-            result = run(cfg.model_copy(update={"out": partial}))
-    except BaseException as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
-        write_failed = getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG) or any(
-            m in str(e) for m in ("unexpected pos", "File too large", "No space left")
-        )  # torch's writer reports a failed write as a RuntimeError without an errno
-        if isinstance(e, OSError | RuntimeError) and (write_failed or free < _LOW_DISK):
-            raise DiskFull(
-                errno.ENOSPC,
-                f"writing the model under {out.parent} failed: the disk filled up or a file-size "
-                f"limit was reached ({type(e).__name__}: {e}); "
-                f"{free / 2**20:.0f} MiB are free there and a model of "
-                f"{_model_bytes(cfg.model) / 2**20:.0f} MiB needs at least that much again "
-                f"({'about 4x with' if cfg.save_verl_checkpoint else 'more without'} "
-                "--save-verl-checkpoint). Nothing was kept; free space and re-run",
-            ) from None
-        raise
-    out.mkdir(parents=True, exist_ok=True)
-    for entry in sorted(partial.iterdir(), key=lambda p: p.name == "config.json"):
-        os.replace(entry, out / entry.name)
-    partial.rmdir()
-    result.model_dir, result.metrics_path = out, out / METRICS_FILENAME
-    if result.checkpoint_dir is not None:
-        result.checkpoint_dir = out / result.checkpoint_dir.relative_to(partial)
-    metrics = json.loads(result.metrics_path.read_text())
-    metrics["config"]["out"] = str(out)
-    result.metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
-    return result
-
-
-@contextlib.contextmanager
-def _scratch_tempdir() -> Iterator[None]:
-    """A private temporary folder for this process while it trains, removed afterwards: verl
-    leaves a lock file in the temporary folder for every checkpoint directory it creates."""
-    scratch = tempfile.mkdtemp(prefix="selfplay-train-")
-    before, tempfile.tempdir = tempfile.tempdir, scratch
-    try:
-        yield
-    finally:
-        tempfile.tempdir = before
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-_LOW_DISK = 64 * 2**20  # below this much free space a failed write is taken for a full disk
-
-
-def _model_bytes(model: str) -> int:
-    return (
-        sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
-        if Path(model).is_dir()
-        else 0
-    )
-
-
 def train(
     cfg: TrainConfig,
     on_step: Callable[[StepMetrics, int], None] | None = None,
 ) -> TrainResult:
     """Run offline GRPO as ``cfg`` says; ``on_step(metrics, total_steps)`` after each step."""
-    return _publish(cfg, lambda staged: _train(staged, on_step))
+    return publish(cfg, lambda staged: _train(staged, on_step))
 
 
 def _train(cfg: TrainConfig, on_step) -> TrainResult:
@@ -498,7 +400,10 @@ def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -
     from selfplay.train.export import export_hf_dir
 
     assert result.checkpoint_dir is not None
-    export_hf_dir(result.checkpoint_dir / "huggingface", cfg.out, tokenizer_source=cfg.model)
+    lora = (cfg.lora_rank, cfg.lora_alpha) if cfg.lora_rank else None
+    export_hf_dir(
+        result.checkpoint_dir / "huggingface", cfg.out, tokenizer_source=cfg.model, lora=lora
+    )
     if not cfg.save_verl_checkpoint:
         shutil.rmtree(cfg.out / CHECKPOINT_DIRNAME, ignore_errors=True)
         result.checkpoint_dir = None
@@ -514,7 +419,7 @@ def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -
     settings = cfg.model_dump(
         mode="json",
         include={"epochs", "lr", "batch_size", "mini_batch_size", "loss_agg", "kl_coef"}
-        | {"clip_ratio", "entropy_coef", "rollout_is", "std_norm", "seed", "dtype"},
+        | {"clip_ratio", "entropy_coef", "rollout_is", "std_norm", "seed", "dtype", "lora_rank"},
     )
     write_card(
         cfg.out,

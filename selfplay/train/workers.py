@@ -39,10 +39,8 @@ class Workers(Protocol):
     def use_sft_loss(self) -> None: ...
     def use_guided_loss(self, gamma: float) -> None: ...
     def save(self, path: str, step: int) -> None: ...
+    def load(self, path: str) -> None: ...
     def close(self) -> None: ...
-
-
-_DTYPES = {"fp32": "fp32", "bf16": "bf16"}
 
 
 def worker_config(cfg: TrainConfig, total_steps: int):
@@ -60,6 +58,8 @@ def worker_config(cfg: TrainConfig, total_steps: int):
     a.model.use_remove_padding = cfg.remove_padding
     a.model.enable_gradient_checkpointing = cfg.gradient_checkpointing
     a.model.override_config = {"attn_implementation": cfg.attn_implementation}
+    a.model.lora_rank = cfg.lora_rank  # 0: full fine-tuning; else peft adapters, merged on export
+    a.model.lora_alpha = cfg.lora_alpha
     a.actor.strategy = "fsdp2"
     a.actor.fsdp_config.strategy = "fsdp2"
     a.actor.use_torch_compile = False
@@ -436,7 +436,7 @@ class RayWorkers(_Calls):
             ray.shutdown()
 
 
-def open_workers(cfg: TrainConfig, total_steps: int) -> LocalWorkers | RayWorkers:
+def open_workers(cfg: TrainConfig, total_steps: int) -> Workers:
     """Build the workers ``cfg`` asks for (this is where the model is loaded)."""
     if cfg.use_ray:
         log.info("starting verl workers through Ray on %d %s(s)", cfg.world_size, cfg.device)

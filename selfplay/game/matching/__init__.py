@@ -1,7 +1,8 @@
 """The DialOp matching game behind the ``DialogueGame`` interface: ``MATCHING``.
 
-A thin adapter: every member delegates to the rules in ``matching``, ``protocol``, ``prompts`` and
-``questions`` and to the scripted players in ``matching_scripted``.
+A thin adapter: every member delegates to the folder's modules: the rules (``rules``, ``turns``),
+the texts (``prompts``, the API partner's persona too), ``questions``, the scripted players
+(``scripted``) and the DialOp human games (``human``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 
 from selfplay.game.api import QuestionKind
 from selfplay.game.matching import prompts, questions
+from selfplay.game.matching.human import HUMAN
 from selfplay.game.matching.rules import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, Scenario
 from selfplay.game.matching.rules import generate_scenario as _generate_scenario
 from selfplay.game.matching.scripted import SCRIPTED_NAMES, make_scripted
@@ -26,6 +28,11 @@ class MatchingGame:
     min_size = MIN_N
     max_size = MAX_N
     scenario_type = Scenario
+    baselines = ("cooperative", "no-talk", "random")
+    # inquisitive: the asking reference, the upper bound beside a shy partner
+    heldout_baselines = (*baselines, "inquisitive")
+    partner_persona = prompts.SHY_PERSONA
+    human = HUMAN
 
     def new_scenario(self, seed: int, size: int) -> Scenario:
         return _generate_scenario(seed, size)

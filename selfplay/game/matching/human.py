@@ -1,9 +1,11 @@
-"""The 134 human DialOp games as behaviour-cloning rows (``selfplay sft --human-data``).
+"""The 134 human DialOp games: the human reference row and behaviour-cloning rows.
 
-A human game is replayed through our own rules (``play.play_game``), each seat a
-``TeacherPlayer`` around a replay of that human's turns, so its rows are token-exact under the
-model's chat format, like a scripted teacher's. Human logs do not follow our strict protocol, so
-the replay applies one documented rendering policy:
+``HUMAN`` is the matching game's ``human`` member (``api.HumanData``): ``outcomes`` reads each
+logged game's reward (the dataset's score / best assignment), actions and messages for the human
+reference row; ``replays`` turns each log into the turns each seat plays through our own rules
+(``selfplay sft --human-data`` records them token-exactly under the model's chat format, like a
+scripted teacher's). Human logs do not follow our strict protocol, so the replay applies one
+documented rendering policy:
 
 - The seat that moved first in the log is seat 1. Player ``p`` of the log sees ``mask{p+1}`` and
   ``scale{p+1}`` (the DialOp reference environment's indexing).
@@ -23,27 +25,17 @@ that point are rows like any other (behaviour cloning does not use the reward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 
 from selfplay.errors import UserError
+from selfplay.game.api import HumanGame, HumanOutcome
 
 
 class HumanDataError(UserError, ValueError):
     """The human data file is missing or unreadable."""
-
-
-@dataclass
-class HumanReplay:
-    """What the rendering policy did to one file's games."""
-
-    games: int = 0
-    complete: int = 0  # replayed to the logged accept
-    turns: int = 0
-    dropped_messages: int = 0  # messages of a run that ended in a proposal
-    stopped: dict[str, int] = field(default_factory=dict)  # why a replay ended early
 
 
 def human_turns(game: dict, n: int = 8) -> tuple[list[tuple[int, str]], str | None, int]:
@@ -100,3 +92,53 @@ def load_human_games(path: Path) -> list[dict]:
         return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
     except orjson.JSONDecodeError as e:
         raise HumanDataError(f"--human-data {path} is not JSONL: {e}") from None
+
+
+class MatchingHumanGames:
+    """The DialOp human games (``dialop-data/optimization.jsonl``, 8x8) behind ``api.HumanData``."""
+
+    # ../shared/dialop-data beside the repository (where tests/conftest.py finds them too)
+    default_path = (
+        Path(__file__).resolve().parents[4] / "shared" / "dialop-data" / "optimization.jsonl"
+    )
+    reference = 0.921  # mean normalised reward of the 134 games
+    reference_games = 134
+    source = (
+        "mean normalised reward (score / best assignment) of the 134 human games of DialOp "
+        "(Lin et al., 'Decision-Oriented Dialogue for Human-AI Collaboration', "
+        "dialop-data/optimization.jsonl, 8x8 tables)"
+    )
+
+    def outcomes(self, path: Path) -> list[HumanOutcome]:
+        out = []
+        for g in load_human_games(path):
+            log = g["action_log"]
+            out.append(
+                HumanOutcome(
+                    reward=g["result"]["score"] / g["best_assignment_reward"],
+                    actions=len(log),
+                    messages=tuple(a["message"]["data"] for a in log if a["type"] == "message"),
+                    agreed=any(
+                        a["type"] == "proposal_response" and a["response"]["accept"] for a in log
+                    ),
+                )
+            )
+        return out
+
+    def replays(self, path: Path) -> Iterator[HumanGame]:
+        from selfplay.game.matching.rules import scenario_from_arrays
+
+        for i, game in enumerate(load_human_games(path)):
+            first = game["action_log"][0]["player"]
+            order = (first, 1 - first)
+            scenario = scenario_from_arrays(
+                game["table"],
+                tuple(game[f"mask{p + 1}"] for p in order),
+                tuple(game[f"scale{p + 1}"] for p in order),
+                scenario_id=f"human-{i}",
+            )
+            turns, stopped, dropped = human_turns(game, scenario.n)
+            yield HumanGame(scenario, tuple(turns), stopped, dropped)
+
+
+HUMAN = MatchingHumanGames()

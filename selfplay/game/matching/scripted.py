@@ -23,7 +23,6 @@ two scales from cells both know (or from the means when none overlap) before mer
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 import numpy as np
 
@@ -41,7 +40,6 @@ from selfplay.game.matching.rules import (
 )
 from selfplay.seats import SeatConfig, SeatTokens
 
-ScriptedName = Literal["cooperative", "no-talk", "shy", "random", "inquisitive"]
 SCRIPTED_NAMES: tuple[str, ...] = ("cooperative", "no-talk", "shy", "random", "inquisitive")
 
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)

@@ -1,0 +1,125 @@
+"""Publishing a trained model: train into a hidden folder beside ``--out``, move the finished files
+in (``config.json``, which marks a complete model, last), so that a failed, killed or disk-full
+training leaves no half-written model; ``--out`` is never overwritten and a second train into it
+is refused at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from selfplay.errors import UserError
+from selfplay.fileio import output_lock
+from selfplay.train.batch import TrainDataError
+from selfplay.train.config import TrainConfig
+
+
+class Published(Protocol):
+    """What a training returns (``TrainResult``): where it wrote the model and its files."""
+
+    model_dir: Path
+    metrics_path: Path
+    checkpoint_dir: Path | None
+
+
+TrainResult = TypeVar("TrainResult", bound=Published)
+
+METRICS_FILENAME = "metrics.json"
+
+
+class OutputExists(UserError, FileExistsError):
+    """--out already holds a model (it is never overwritten)."""
+
+
+def check_new_output(out: Path) -> None:
+    if (out / "config.json").exists():
+        raise OutputExists(f"{out} already holds a model; choose another --out or delete it first")
+
+
+def _check_out(cfg: TrainConfig) -> None:
+    check_new_output(cfg.out)
+    if cfg.resume_from is not None and not Path(cfg.resume_from).is_dir():
+        raise TrainDataError(f"--resume-from {cfg.resume_from} is not a verl checkpoint directory")
+
+
+class DiskFull(UserError, OSError):
+    """The disk filled up while a model was written; nothing half-written is left."""
+
+
+def publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
+    """Train into a hidden folder beside ``cfg.out``, then move the finished files into
+    ``cfg.out`` (config.json, which marks a complete model, last): a failed, killed or
+    disk-full training leaves no half-written model, and a retry starts clean. A second train
+    into the same ``out`` is refused at once (``output_lock``)."""
+    with output_lock(cfg.out, "selfplay train"):
+        return _publish_locked(cfg, run)
+
+
+def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
+    _check_out(cfg)
+    out = cfg.out
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with _scratch_tempdir():
+            result = run(cfg.model_copy(update={"out": partial}))
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
+        write_failed = getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG) or any(
+            m in str(e) for m in ("unexpected pos", "File too large", "No space left")
+        )  # torch's writer reports a failed write as a RuntimeError without an errno
+        if isinstance(e, OSError | RuntimeError) and (write_failed or free < _LOW_DISK):
+            raise DiskFull(
+                errno.ENOSPC,
+                f"writing the model under {out.parent} failed: the disk filled up or a file-size "
+                f"limit was reached ({type(e).__name__}: {e}); "
+                f"{free / 2**20:.0f} MiB are free there and a model of "
+                f"{_model_bytes(cfg.model) / 2**20:.0f} MiB needs at least that much again "
+                f"({'about 4x with' if cfg.save_verl_checkpoint else 'more without'} "
+                "--save-verl-checkpoint). Nothing was kept; free space and re-run",
+            ) from None
+        raise
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(partial.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(entry, out / entry.name)
+    partial.rmdir()
+    result.model_dir, result.metrics_path = out, out / METRICS_FILENAME
+    if result.checkpoint_dir is not None:
+        result.checkpoint_dir = out / result.checkpoint_dir.relative_to(partial)
+    metrics = json.loads(result.metrics_path.read_text())
+    metrics["config"]["out"] = str(out)
+    result.metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return result
+
+
+@contextlib.contextmanager
+def _scratch_tempdir() -> Iterator[None]:
+    """A private temporary folder for this process while it trains, removed afterwards: verl
+    leaves a lock file in the temporary folder for every checkpoint directory it creates."""
+    scratch = tempfile.mkdtemp(prefix="selfplay-train-")
+    before, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+_LOW_DISK = 64 * 2**20  # below this much free space a failed write is taken for a full disk
+
+
+def _model_bytes(model: str) -> int:
+    return (
+        sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+        if Path(model).is_dir()
+        else 0
+    )
