@@ -5,16 +5,20 @@ Builds behaviour-cloning rows of scripted cooperative 3x3 games for the embedded
 
 - verl: `train.sft.train_sft` (verl's SFT loss on the in-process FSDP2 worker), fp32 and bf16;
 - torch: a plain loop (AdamW, the same mini- and micro-batches, loss on mask-1 tokens only),
-  fp32 and bf16 autocast.
+  fp32 and bf16 autocast;
+- LoRA: a verl variant with a ``-loraR`` suffix (``verl-bf16-lora16``) trains rank-R adapters on
+  every linear layer (``--lora-rank``) instead of every weight.
 
-Prints tokens/s (all tokens of the rows, prompt and response) per variant. Run it alone on a quiet
-machine: `python benchmarks/bench_sft.py [--rows 32]`.
+Prints tokens/s (all tokens of the rows, prompt and response) per variant and the process's peak
+RSS (run one variant per process, ``--only``, to compare memory). Run it alone on a quiet
+machine: `python benchmarks/bench_sft.py [--rows 32] [--only verl-bf16,verl-bf16-lora16]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import shutil
 import tempfile
 import time
@@ -79,8 +83,11 @@ def main() -> None:
     rows_path, _ = build_rows(cfg, load_chat_format(model))
     results = {}
     for variant in args.only.split(","):
-        engine, dtype = variant.split("-")
+        engine, dtype, *lora = variant.split("-")
+        rank = int(lora[0].removeprefix("lora")) if lora else 0
         tcfg = TrainConfig(
+            lora_rank=rank,
+            lora_alpha=2 * rank or 16,
             data=rows_path,
             model=model,
             out=work / variant,
@@ -102,7 +109,9 @@ def main() -> None:
         print(f"{variant}: {results[variant]:.0f} tokens/s", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     threads = torch.get_num_threads()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\nSFT, {args.rows} rows of cooperative 3x3 games, SmolLM2-135M, {threads} threads")
+    print(f"peak RSS of this process: {peak:.0f} MB")
     print("| variant | tokens/s |\n|---|---|")
     for k, v in results.items():
         print(f"| {k} | {v:.0f} |")
