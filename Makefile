@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-grpo shy ask ask-guided bench
+.PHONY: setup test lint demo learn learn-grpo shy ask ask4 ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables: a warm start (behaviour cloning of the
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
@@ -48,6 +48,17 @@ ASK_ARGS ?= --name ask --table-size 3 --partner scripted:shy \
 	--max-actions 20 --lr 1e-4 --epochs-per-iter 2 --updates-per-round 3 --eval-scenarios 48 \
 	--micro-batch-size 4
 
+# The same expert iteration on 4x4 tables with 30 actions, where asking pays more than proposing
+# until accepted (scripted, against shy on held-out scenarios: inquisitive 0.94, random 0.72;
+# on 3x3 0.88 against 0.84), and a warm start with 6 of 30 games asking.
+ASK4_ARGS ?= --name ask4 --table-size 4 --partner scripted:shy \
+	--warm-start scripted:cooperative:24,scripted:inquisitive:6 --warm-start-partner run \
+	--warm-start-lr 2e-4 --warm-start-epochs 3 \
+	--algorithm expert-iteration --ei-top-k 2 --ei-min-reward 0.5 --iterations 3 \
+	--games-per-iter 48 --games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 \
+	--max-actions 30 --lr 1e-4 --epochs-per-iter 2 --updates-per-round 3 --eval-scenarios 48 \
+	--micro-batch-size 4
+
 # The guided-GRPO arm of the same question: a warm start that never asks (24 cooperative games
 # against shy), then GRPO rounds whose groups each get 2 games of scripted:inquisitive (it asks)
 # on the same scenario, trained off-policy with LUFFY's shaped loss.
@@ -83,6 +94,9 @@ shy: setup
 
 ask: setup
 	.venv/bin/selfplay iterate $(ASK_ARGS)
+
+ask4: setup
+	.venv/bin/selfplay iterate $(ASK4_ARGS)
 
 ask-guided: setup
 	.venv/bin/selfplay iterate $(ASK_GUIDED_ARGS)
