@@ -200,6 +200,7 @@ def test_eval_cli_writes_documented_keys(tmp_path):
     from selfplay.metrics import GameSummary
 
     assert data["players"] == ["cooperative", "no-talk"] and data["seed"] == 1
+    assert {"num_games", "n", "max_actions"} <= set(data)
     assert set(GameSummary.model_fields) - {"partner"} <= set(data)  # the typed summary, whole
     assert data["games"] == 10
     assert data["reward_ci_low"] <= data["reward_mean"] <= data["reward_ci_high"]

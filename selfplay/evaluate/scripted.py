@@ -67,20 +67,30 @@ class ScriptedPair:
     num_games: int
     seed: int
     n: int
+    max_actions: int
     summary: GameSummary
 
     def as_dict(self) -> dict:
         """The JSON ``eval --players --out`` writes: the pair, its settings and its summary."""
         settings = {"players": list(self.players), "num_games": self.num_games, "seed": self.seed}
-        return {**settings, "n": self.n, **self.summary.model_dump(exclude={"partner"})}
+        settings |= {"n": self.n, "max_actions": self.max_actions}
+        return {**settings, **self.summary.model_dump(exclude={"partner"})}
 
 
 def evaluate_scripted(
-    game: DialogueGame, players: tuple[str, str], *, num_games: int, seed: int, n: int = 8, **limits
+    game: DialogueGame,
+    players: tuple[str, str],
+    *,
+    num_games: int,
+    seed: int,
+    n: int = 8,
+    max_actions: int = 30,
+    max_invalid: int = 3,
 ) -> ScriptedPair:
     """The summary (see metrics.summarize) of ``play_scripted``'s games, with the pair."""
+    limits = {"max_actions": max_actions, "max_invalid": max_invalid}
     games = play_scripted(game, players, num_games=num_games, seed=seed, n=n, **limits)
-    return ScriptedPair(players, num_games, seed, n, summarize(games))
+    return ScriptedPair(players, num_games, seed, n, max_actions, summarize(games))
 
 
 def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
