@@ -280,7 +280,7 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
         "lr", "batch_size", "mini_batch_size", "updates_per_round", "micro_batch_size",
         "loss_agg", "std_norm", "kl_coef", "entropy_coef", "dtype", "keep_checkpoints",
         "rollout_is", "gpus", "ray_address", "nodes", "guide_gamma", "old_log_probs",
-        "policy_temperature",
+        "policy_temperature", "lora_rank", "lora_alpha",
     }  # fmt: skip
 
 
