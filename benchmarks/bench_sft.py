@@ -7,11 +7,15 @@ Builds behaviour-cloning rows of scripted cooperative 3x3 games for the embedded
 - torch: a plain loop (AdamW, the same mini- and micro-batches, loss on mask-1 tokens only),
   fp32 and bf16 autocast;
 - LoRA: a verl variant with a ``-loraR`` suffix (``verl-bf16-lora16``) trains rank-R adapters on
-  every linear layer (``--lora-rank``) instead of every weight.
+  every linear layer (``--lora-rank``) instead of every weight;
+- attention: verl variants run ``attn_implementation="auto"`` (``sdpa_packed``: one causal SDPA
+  call per packed row); a ``-sdpa`` suffix (``verl-bf16-sdpa``) runs transformers' ``sdpa``, which
+  attends over the whole packed micro-batch through a block-diagonal mask.
 
 Prints tokens/s (all tokens of the rows, prompt and response) per variant and the process's peak
 RSS (run one variant per process, ``--only``, to compare memory). Run it alone on a quiet
-machine: `python benchmarks/bench_sft.py [--rows 32] [--only verl-bf16,verl-bf16-lora16]`.
+machine: `python benchmarks/bench_sft.py [--rows 32] [--table-size 4]
+[--only verl-bf16,verl-bf16-sdpa]` (4x4 games give rows about twice as long as 3x3's).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--mini", type=int, default=8)
     ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--table-size", type=int, default=3)
     ap.add_argument("--only", default="verl-fp32,verl-bf16,torch-fp32,torch-bf16")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -78,14 +83,20 @@ def main() -> None:
     model = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="bench_sft_"))
     cfg = SFTConfig(
-        model=model, out=work / "rows", teacher="scripted:cooperative", num_games=args.rows // 2
+        model=model,
+        out=work / "rows",
+        teacher="scripted:cooperative",
+        num_games=args.rows // 2,
+        table_size=args.table_size,
     )
     rows_path, _ = build_rows(cfg, load_chat_format(model))
     results = {}
     for variant in args.only.split(","):
-        engine, dtype, *lora = variant.split("-")
+        engine, dtype, *options = variant.split("-")
+        lora = [o for o in options if o.startswith("lora")]
         rank = int(lora[0].removeprefix("lora")) if lora else 0
         tcfg = TrainConfig(
+            attn_implementation="sdpa" if "sdpa" in options else "auto",
             lora_rank=rank,
             lora_alpha=2 * rank or 16,
             data=rows_path,
@@ -110,7 +121,12 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     threads = torch.get_num_threads()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\nSFT, {args.rows} rows of cooperative 3x3 games, SmolLM2-135M, {threads} threads")
+    rows, _ = load_rows(tcfg, groups=False)
+    lengths = [len(p) + len(r) for p, r in zip(rows.prompts, rows.responses, strict=True)]
+    mean = sum(lengths) / len(lengths)
+    n = args.table_size
+    print(f"\nSFT, {args.rows} rows of cooperative {n}x{n} games ({mean:.0f} tokens a row),")
+    print(f"SmolLM2-135M, {threads} threads, mini-batch {args.mini}, micro-batch {args.micro}")
     print(f"peak RSS of this process: {peak:.0f} MB")
     print("| variant | tokens/s |\n|---|---|")
     for k, v in results.items():

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from selfplay.hardware import ComputeDtype, resolve_dtype
 
+# one causal SDPA call per packed row (selfplay/train/attention.py registers it with transformers)
+PACKED_SDPA = "sdpa_packed"
 LossAgg = Literal[
     "token-mean",
     "token-sum",
@@ -160,7 +162,12 @@ class TrainConfig(TrainerOptions):
     launcher: Literal["auto", "local", "ray"] = Field(
         "auto", description="auto: in-process for CPU or 1 GPU, Ray otherwise"
     )
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = Field(
+        "auto",
+        description="the model's attention in training: auto = sdpa_packed (one causal SDPA call "
+        "per packed row, selfplay/train/attention.py) when remove_padding, else sdpa; or a "
+        "transformers name (sdpa, eager, flash_attention_2)",
+    )
     remove_padding: bool = Field(
         True, description="pack rows without padding (verl's rmpad path); False: padded batches"
     )
@@ -189,7 +196,19 @@ class TrainConfig(TrainerOptions):
             raise ValueError("ray_address needs gpus >= 1")
         if self.nodes > 1 and not self.ray_address:
             raise ValueError("nodes > 1 needs ray_address (an existing Ray cluster)")
+        if self.attn_implementation == PACKED_SDPA and not self.remove_padding:
+            raise ValueError(
+                f"attn_implementation {PACKED_SDPA} needs packed rows: remove_padding true, or "
+                "attn_implementation sdpa"
+            )
         return self
+
+    @property
+    def attention(self) -> str:
+        """The transformers attention implementation the workers load the model with."""
+        if self.attn_implementation != "auto":
+            return self.attn_implementation
+        return PACKED_SDPA if self.remove_padding else "sdpa"
 
     @property
     def device(self) -> str:

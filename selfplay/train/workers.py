@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from selfplay.train.batch import from_nested, to_tensordict
-from selfplay.train.config import TrainConfig
+from selfplay.train.config import PACKED_SDPA, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,9 @@ def worker_config(cfg: TrainConfig, total_steps: int):
     a.model.path = cfg.model
     a.model.use_remove_padding = cfg.remove_padding
     a.model.enable_gradient_checkpointing = cfg.gradient_checkpointing
-    a.model.override_config = {"attn_implementation": cfg.attn_implementation}
+    a.model.override_config = {"attn_implementation": cfg.attention}
+    if cfg.attention == PACKED_SDPA:  # verl imports it in each worker before building the model
+        a.model.external_lib = "selfplay.train.attention"
     a.model.lora_rank = cfg.lora_rank  # 0: full fine-tuning; else peft adapters, merged on export
     a.model.lora_alpha = cfg.lora_alpha
     a.actor.strategy = "fsdp2"
