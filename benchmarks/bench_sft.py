@@ -118,12 +118,12 @@ def main() -> None:
                 model, rows, pad_id, args.mini, args.micro, dtype == "bf16"
             )
         print(f"{variant}: {results[variant]:.0f} tokens/s", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    threads = torch.get_num_threads()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows, _ = load_rows(tcfg, groups=False)
     lengths = [len(p) + len(r) for p, r in zip(rows.prompts, rows.responses, strict=True)]
     mean = sum(lengths) / len(lengths)
+    shutil.rmtree(work, ignore_errors=True)
+    threads = torch.get_num_threads()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     n = args.table_size
     print(f"\nSFT, {args.rows} rows of cooperative {n}x{n} games ({mean:.0f} tokens a row),")
     print(f"SmolLM2-135M, {threads} threads, mini-batch {args.mini}, micro-batch {args.micro}")
