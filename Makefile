@@ -6,7 +6,7 @@
 # model evaluated greedily on the same 16 held-out scenarios; the report: data/demo/REPORT.md.
 # Re-running resumes (a finished run only rewrites the report).
 DEMO_ARGS ?= --name demo --table-size 3 --warm-start scripted:cooperative:32 \
-	--warm-start-lr 2e-4 --iterations 2 --games-per-iter 12 \
+	--warm-start-lr 2e-4 --warm-start-epochs 2 --iterations 2 --games-per-iter 12 \
 	--games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
 	--eval-scenarios 16 --micro-batch-size 4
 
