@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from selfplay.iterate.expert import select_games
+from selfplay.iterate.expert import select_games, without_invalid_turns
 from selfplay.players.llm import load_chat_format
 from selfplay.records import iter_game_records
 from tests.test_iterate import _cmd, _kill_when, _lines, _run, _start
@@ -86,16 +86,55 @@ def test_expert_iteration_trains_on_exactly_the_kept_games(ei_run, primed_model)
     assert sorted((r["game_id"], r["seat"]) for r in rows) == sorted(
         (g.game_id, s) for g in kept for s in (0, 1)
     )
+    # ... the valid ones: a move the rules refused stays in the row as context, with mask 0
     _assert_rows_are_the_games_actions(
-        rows, rdir / "selected.jsonl", load_chat_format(str(primed_model))
+        rows, rdir / "selected.jsonl", load_chat_format(str(primed_model)), valid_only=True
     )
     manifest = json.loads((ei_run / "data" / "ei" / "manifest.json").read_text())
     stages = manifest["rounds"]["0"]["stages"]
     assert stages["convert"]["info"]["games_kept"] == len(want)
+    invalid = sum(not a.valid for g in kept for a in g.actions)
+    assert stages["convert"]["info"]["invalid_turns_skipped"] == invalid
     assert stages["train"]["info"]["loss"] > 0 and stages["train"]["info"]["pg_loss"] is None
     model = ei_run / "checkpoints" / "ei" / "round_0"
     assert json.loads((model / "metrics.json").read_text())["algorithm"] == "sft"
     assert _sha(model) != _sha(primed_model)
+
+
+def test_invalid_turns_of_a_kept_game_are_context_not_cloned(ei_run, primed_model):
+    from selfplay.convert import ConvertConfig, rows_table
+
+    rdir = ei_run / "data" / "ei" / "round_0"
+    game = next(iter_game_records(rdir / "selected.jsonl"))
+    # mark seat 0's first action and seat 1's last one as refused by the rules
+    first = next(i for i, a in enumerate(game.actions) if a.seat == 0)
+    last = max(i for i, a in enumerate(game.actions) if a.seat == 1)
+    actions = [
+        a.model_copy(update={"valid": False}) if i in (first, last) else a
+        for i, a in enumerate(game.actions)
+    ]
+    marked = game.model_copy(update={"actions": actions})
+    cleaned, skipped = without_invalid_turns(marked)
+    assert skipped == 2
+    for seat in (0, 1):
+        before, after = marked.tokens[seat].mask, cleaned.tokens[seat].mask
+        assert cleaned.tokens[seat].token_ids == marked.tokens[seat].token_ids
+        assert all(b >= a for b, a in zip(before, after, strict=True))  # only 1 -> 0
+        assert sum(before) > sum(after)
+    path = rdir.parent / "marked.jsonl"
+    path.write_text(marked.model_dump_json() + "\n")
+    table, _ = rows_table([cleaned], ConvertConfig(games=path, out=rdir.parent))
+    rows = table.to_pylist()
+    chat = load_chat_format(str(primed_model))
+    _assert_rows_are_the_games_actions(rows, path, chat, valid_only=True)
+    # a seat whose only turns were refused has nothing to clone: no row
+    refused = [a.model_copy(update={"valid": a.seat != 0}) for a in game.actions]
+    alone, n = without_invalid_turns(game.model_copy(update={"actions": refused}))
+    assert n == sum(a.seat == 0 for a in game.actions)
+    assert sorted(
+        r["seat"]
+        for r in rows_table([alone], ConvertConfig(games=path, out=rdir.parent))[0].to_pylist()
+    ) == [1]
 
 
 @pytest.mark.slow

@@ -34,11 +34,12 @@ def test_rows_decode_to_the_teachers_actions_on_mask_1(teacher_rows):
     _assert_rows_are_the_games_actions(table, cfg.data_dir / "games.jsonl", chat)
 
 
-def _assert_rows_are_the_games_actions(table, games_path, chat) -> None:
+def _assert_rows_are_the_games_actions(table, games_path, chat, *, valid_only=False) -> None:
     games = {g.game_id: g for g in iter_game_records(games_path)}
     for row in table:
         game = games[row["game_id"]]
-        actions = [a.text for a in game.actions if a.seat == row["seat"]]
+        mine = [a for a in game.actions if a.seat == row["seat"]]
+        actions = [a.text for a in mine if a.valid or not valid_only]
         mask = np.array(row["response_mask"])
         ids = np.array(row["response_ids"])
         # the mask-1 runs, one per turn, each the action's tokens then the end-of-turn token

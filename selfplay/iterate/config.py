@@ -101,6 +101,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     ei_min_reward: float = Field(
         0.5, description="expert-iteration: a kept game's reward is at least this."
     )
+    ei_invalid_turns: Literal["skip", "train"] = Field(
+        "skip",
+        description="expert-iteration: the kept games' turns the rules refused (a kept game "
+        "can hold invalid moves before its agreement): skip (loss mask 0, not cloned) or train.",
+    )
     guide: str | None = Field(
         None,
         description="GRPO: add games of a scripted guide (scripted:NAME, e.g. "
@@ -253,6 +258,7 @@ ADDED_LATER = {
     "algorithm": "grpo",
     "ei_top_k": 1,
     "ei_min_reward": 0.5,
+    "ei_invalid_turns": "train",  # runs before it cloned every turn of a kept game
     "warm_start_partner": "self",
     "guide": None,
     "guide_games": 2,
