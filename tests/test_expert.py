@@ -115,7 +115,7 @@ def test_invalid_turns_of_a_kept_game_are_context_not_cloned(ei_run, primed_mode
     ]
     marked = game.model_copy(update={"actions": actions})
     cleaned, skipped = without_invalid_turns(marked)
-    assert skipped == 2
+    assert skipped == sum(not a.valid for a in marked.actions) >= 2
     for seat in (0, 1):
         before, after = marked.tokens[seat].mask, cleaned.tokens[seat].mask
         assert cleaned.tokens[seat].token_ids == marked.tokens[seat].token_ids
