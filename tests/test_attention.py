@@ -88,3 +88,18 @@ def test_packed_rows_train_with_sdpa_packed_by_default_and_verl_imports_it(tmp_p
     assert flash.model.override_config["attn_implementation"] == "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa_packed needs packed rows"):
         cfg(attn_implementation=PACKED_SDPA, remove_padding=False)
+
+
+def test_a_sliding_window_layer_is_refused_when_a_row_is_longer_than_it():
+    from types import SimpleNamespace
+
+    from selfplay.train.attention import packed_sdpa_forward
+
+    q = k = v = torch.zeros(1, 2, 10, 4)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    layer = SimpleNamespace(is_causal=True, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding window"):
+        packed_sdpa_forward(layer, q, k, v, None, position_ids=pos)
+    wide = SimpleNamespace(is_causal=True, sliding_window=8)
+    out, _ = packed_sdpa_forward(wide, q, k, v, None, position_ids=pos)
+    assert out.shape == (1, 10, 2, 4)

@@ -13,7 +13,8 @@ the packed sequence at the restarts and calls causal SDPA on each row. The resul
 attention (``tests/test_attention.py`` compares outputs and gradients with ``"sdpa"``); what
 changes is the work: sum of L_i^2 / 2 scores instead of (sum L_i)^2. Anything that is not a
 packed causal forward (a mask, a KV cache, one token, 3-D position ids) goes to transformers' own
-``sdpa_attention_forward`` unchanged. The function is registered under its name in transformers'
+``sdpa_attention_forward`` unchanged; a sliding-window layer with a row longer than its window is
+refused (use ``sdpa``). The function is registered under its name in transformers'
 ``AttentionInterface`` when this module is imported: verl imports it in every worker before it
 builds the model (``actor_rollout_ref.model.external_lib``, set by ``workers.worker_config``),
 in-process and in Ray workers alike.
@@ -84,6 +85,12 @@ def packed_sdpa_forward(
             scaling=scaling,
             is_causal=is_causal,
             **kwargs,
+        )
+    window = getattr(module, "sliding_window", None)
+    if window is not None and max(end - start for start, end in bounds) > window:
+        raise ValueError(
+            f"attn_implementation {PACKED_SDPA!r} has no sliding window and this layer attends "
+            f"within {window} tokens; train this model with attn_implementation 'sdpa'"
         )
     gqa = key.shape[1] != query.shape[1]
     outputs = [
