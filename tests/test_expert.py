@@ -250,3 +250,18 @@ def test_a_warm_start_against_the_runs_partner_clones_only_the_models_seat(tiny_
         "teacher scripted:inquisitive": 2,
     }
     assert warm_start_config(cfg.model_copy(update={"warm_start_partner": "self"})).clone == "both"
+
+
+def test_runs_from_before_the_invalid_turn_option_resume_as_they_ran():
+    """A manifest written before --ei-invalid-turns has no such key: its runs cloned every turn.
+    A GRPO run resumes with the defaults; an expert-iteration run only with `train`."""
+    from selfplay.iterate.config import IterateConfig, config_identity
+
+    base = dict(name="r", iterations=1, model="m", engine={"kind": "hf", "model": "m"})
+    for algorithm, resumes_with in (("grpo", "skip"), ("expert-iteration", "train")):
+        old = IterateConfig(**base, algorithm=algorithm).model_dump(mode="json")
+        del old["ei_invalid_turns"]
+        for value in ("skip", "train"):
+            now = IterateConfig(**base, algorithm=algorithm, ei_invalid_turns=value).identity()
+            same = now == config_identity(old)
+            assert same == (value == resumes_with or algorithm == "grpo"), (algorithm, value)

@@ -287,6 +287,8 @@ TRAIN_RESUMABLE = ("keep_checkpoints", "save_verl_checkpoint")  # the latter: it
 def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dump (new or from a manifest) that a resume must keep."""
     out = {k: v for k, v in dump.items() if k not in RESUMABLE}
+    if out.get("algorithm", "grpo") != "expert-iteration":
+        out.pop("ei_invalid_turns", None)  # only expert iteration reads it
     for name, old in ADDED_LATER.items():
         if out.get(name, old) == old:
             out.pop(name, None)
