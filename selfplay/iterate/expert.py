@@ -123,13 +123,11 @@ def select_stage(
         out=rdir,
         **cfg.model_dump(include=set(ConvertOptions.model_fields)),
     )
-    skipped = 0
+    cloned, skipped = kept, 0
     if cfg.ei_invalid_turns == "skip":
         cleaned = [without_invalid_turns(r) for r in kept]
-        skipped = sum(n for _, n in cleaned)
-        table, counts = rows_table([r for r, _ in cleaned], cut)
-    else:
-        table, counts = rows_table(kept, cut)
+        cloned, skipped = [r for r, _ in cleaned], sum(n for _, n in cleaned)
+    table, counts = rows_table(cloned, cut)
     info = {
         "games": len(games),
         "games_kept": len(kept),

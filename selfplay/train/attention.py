@@ -25,6 +25,9 @@ from __future__ import annotations
 import itertools
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from selfplay.train.config import PACKED_SDPA
 
@@ -57,8 +60,6 @@ def packed_sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (batch, heads, seq, dim) in,
     (batch, seq, heads, dim) out."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if attention_mask is not None and attention_mask.dim() == 2:
         # flash-style 2-D padding mask (see register): packed rows never carry padding
         if not bool(attention_mask.all()):
@@ -111,9 +112,6 @@ def packed_sdpa_forward(
 def register() -> None:
     """Make ``attn_implementation="sdpa_packed"`` loadable by transformers in this process. Its mask
     is flash-attn's (None, or the 2-D padding mask): no (total x total) mask is ever built."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
-
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, flash_attention_mask)
 
