@@ -8,10 +8,14 @@
   (d) hf engine vs a vLLM server (scripts/setup_vllm.sh's venv), SmolLM2-135M, the same games,
       concurrency and dtype: games/s and tokens/s (server start apart), and the in-place weight
       reload of one checkpoint (an untied copy of SmolLM2: vLLM keeps a tied head stale).
+  (e) hf engine, SmolLM2-135M (or --model, e.g. a warm-started checkpoint): the same 64 games
+      with 1 torch thread and with every core (the default), one process each.
 
-Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d] [--latency 0.25,0.5,1.0]
+Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d,e] [--latency 0.25,0.5,1.0]
+     [--model M --partner P --table-size N --max-actions A] (e only)
 Everything is offline: the tiny model is built into a temporary directory; (d) is not in the
-default parts (it builds the vLLM venv when missing and takes ~10 minutes on 2 cores).
+default parts (it builds the vLLM venv when missing and takes ~10 minutes on 2 cores), nor is
+(e) (SmolLM2 on CPU, 1-3 minutes).
 """
 
 from __future__ import annotations
@@ -232,6 +236,70 @@ def part_d(tmp: Path, games: int = 32, concurrency: int = 32) -> list[tuple]:
     return rows
 
 
+def part_e(tmp: Path, args) -> list[tuple]:
+    """hf engine threads: 1 against every core, the same games, each in a fresh process."""
+    from selfplay.hardware import resolve_dtype, usable_cores
+    from selfplay.models import resolve_model
+
+    model = resolve_model(args.model)
+    setting = (
+        f"{args.games} games, {args.table_size}x{args.table_size}, partner "
+        f"{args.partner or 'self'}, max {args.max_actions} actions, T 1, "
+        f"{resolve_dtype('auto', 'cpu')}"
+    )
+    rows, base = [], None
+    for threads in (1, usable_cores()):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--threads-child",
+            str(threads),
+            model,
+            str(tmp / f"e{threads}"),
+        ]
+        cmd += ["--games", str(args.games), "--table-size", str(args.table_size)]
+        cmd += ["--max-actions", str(args.max_actions)]
+        cmd += ["--partner", args.partner] if args.partner else []
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        base = base or r["seconds"]
+        rows.append((
+            f"(e) hf engine, {threads} torch thread(s), {Path(model).name}",
+            setting,
+            f"{r['seconds']:.1f} s: {r['prefilled']} prefilled + {r['generated']} generated "
+            f"tokens, {(r['prefilled'] + r['generated']) / r['seconds']:.0f} tok/s",
+            f"{base / r['seconds']:.2f}x 1 thread",
+            "",
+        ))  # fmt: skip
+    return rows
+
+
+def threads_child(threads: int, model: str, out: str, args) -> None:
+    from selfplay.engines import HFEngineConfig, open_engine
+    from selfplay.generate.runner import generate_games
+
+    cfg = GenerateConfig(
+        out=Path(out), num_games=args.games, model=model, table_size=args.table_size,
+        games_per_scenario=8, partner=args.partner, max_actions=args.max_actions,
+        sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
+    )  # fmt: skip
+    engine = open_engine(HFEngineConfig(model=model, device="cpu", cpu_threads=threads))
+
+    async def go():
+        try:
+            await engine.start()
+            return await generate_games(cfg, engine, load_chat_format(model))
+        finally:
+            await engine.aclose()
+
+    st = asyncio.run(go()).stats
+    assert st.played == args.games
+    print(json.dumps({
+        "seconds": st.seconds, "prefilled": engine.prefilled_tokens,
+        "generated": engine.generated_tokens,
+    }))  # fmt: skip
+
+
 def child(model: str, out: str, games: int) -> None:
     load_chat_format(model)  # imports and tokenizer first: the baseline is everything but games
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
@@ -250,7 +318,17 @@ def main() -> None:
         "--latency", default="0.25,0.5,1.0", help="(a): seconds per batch, comma-separated"
     )
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--threads-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help="(e): model (default SmolLM2-135M-Instruct)")
+    p.add_argument("--partner", default=None, help="(e): partner (default self-play)")
+    p.add_argument("--table-size", type=int, default=3, help="(e)")
+    p.add_argument("--max-actions", type=int, default=10, help="(e)")
+    p.add_argument("--games", type=int, default=64, help="(e)")
     args = p.parse_args()
+    if args.threads_child:
+        threads, model, out = args.threads_child
+        threads_child(int(threads), model, out, args)
+        return
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
@@ -267,6 +345,8 @@ def main() -> None:
             rows += part_c(model, tmp)
         if "d" in parts:
             rows += part_d(tmp)
+        if "e" in parts:
+            rows += part_e(tmp, args)
     table = Table(title="selfplay generate benchmark")
     for col in ("benchmark", "setting", "measured", "result", "target"):
         table.add_column(col)

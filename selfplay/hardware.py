@@ -80,3 +80,10 @@ def resolve_dtype(requested: str | None, device: str) -> Dtype:
     if requested not in ("fp32", "bf16"):
         raise ValueError(f"unknown dtype {requested!r}: auto, fp32 or bf16")
     return requested  # type: ignore[return-value]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

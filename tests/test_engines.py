@@ -184,6 +184,99 @@ def test_hf_prefix_cache_mixed_batch_matches_single_requests_without_cache(hf):
         assert_same_generations(got, want)
 
 
+def test_hf_prompts_that_start_alike_share_one_prefill_of_their_common_prefix(hf):
+    """Four first turns of one scenario (the same rules and table, then each game's own first
+    message), one of another, and an unrelated prompt in one batch: the common prefix is
+    prefilled once, every row equals the same request run alone with the cache off, and the
+    prefix stays kept for a later game of the scenario."""
+    from selfplay.engines.hf import MIN_SHARED_PREFIX, _common_prefix
+
+    eos = (hf.tokenizer.eos_token_id,)
+    rules = "You review papers. Table: Ava Li on BLEU 320, Sofia Patel on GloVe 122. " * 3
+
+    def ask(text: str, **kw) -> GenerationRequest:
+        return GenerationRequest(
+            prompt(hf, text), max_new_tokens=6, temperature=0.0, stop_token_ids=eos, **kw
+        )
+
+    reqs = [ask(rules + m) for m in ("hello", "what is yours?", "[propose] A", "x" * 20)]
+    reqs += [ask("Another scenario, table: Noah on ELMo 3. " * 4 + "hi"), ask("unrelated")]
+    reqs.append(replace(reqs[1], temperature=0.9, seed=2))  # a copy: prefilled once anyway
+    engine = fresh(hf)
+    gens = run(gather_close(engine, reqs))
+    unique = [r.prompt_ids for r in reqs[:-1]]
+    shared = min(_common_prefix(unique[0], u) for u in unique[1:4])
+    assert shared >= MIN_SHARED_PREFIX
+    assert engine._batcher.batches == 1
+    assert engine.prefilled_tokens + engine.reused_tokens == sum(map(len, unique))
+    assert engine.reused_tokens == 3 * shared  # three of the four reused the one prefill
+    off = fresh(hf, prefix_cache_tokens=0)
+    for req, got in zip(reqs, gens):
+        (want,) = run(gather_close(fresh(off), [req]))
+        assert_same_generations(got, want)
+    # a later game of the scenario finds the kept prefix (shared entries are not taken away)
+    later = fresh(hf)
+    later.prefix_cache = engine.prefix_cache
+    (gen,) = run(gather_close(later, [ask(rules + "a later game")]))
+    assert later.reused_tokens >= shared - 2  # (the tokenizer may merge across the cut)
+    (want,) = run(gather_close(fresh(off), [ask(rules + "a later game")]))
+    assert_same_generations(gen, want)
+
+
+def test_hf_rows_far_longer_than_the_rest_are_prefilled_apart(hf):
+    """Continuing turns (a few new tokens each) and one first turn of many tokens in one batch:
+    the short rows are not padded to the long one, and every row equals the same request run
+    alone with the cache off."""
+    eos = (hf.tokenizer.eos_token_id,)
+    first = [
+        GenerationRequest(prompt(hf, f"game {i}"), 4, temperature=0.0, stop_token_ids=eos)
+        for i in range(6)
+    ]
+    engine = fresh(hf)
+
+    async def go():
+        try:
+            gens = await asyncio.gather(*(engine.generate(r) for r in first))
+            nxt = [extend(r, g, prompt(hf, "[reject]")) for r, g in zip(first, gens)]
+            nxt.append(GenerationRequest(prompt(hf, "Ava Li on BLEU is 320. " * 12), 4, 0.0))
+            slots = engine.prefill_slots
+            return nxt, await asyncio.gather(*(engine.generate(r) for r in nxt)), slots
+        finally:
+            await engine.aclose()
+
+    nxt, gens, before = run(go())
+    short = len(prompt(hf, "[reject]")) + 4
+    long_row = len(nxt[-1].prompt_ids)
+    # padded to the long row, the batch would compute 7 x long_row positions
+    assert engine.prefill_slots - before <= long_row + 6 * short + 7 < 7 * long_row / 2
+    off = fresh(hf, prefix_cache_tokens=0)
+    for req, got in zip(nxt, gens):
+        (want,) = run(gather_close(fresh(off), [req]))
+        assert_same_generations(got, want)
+
+
+def test_shared_prefix_groups_and_length_buckets():
+    from selfplay.engines.hf import MIN_SHARED_PREFIX, _length_buckets, _shared_prefix_groups
+
+    base, other = tuple(range(100)), tuple(range(1000, 1100))
+    sys_prompt = tuple(range(5000, 5000 + MIN_SHARED_PREFIX))
+    prompts = sorted(
+        [(*sys_prompt, *base, k) for k in (1, 2, 3)]
+        + [(*sys_prompt, *other, k) for k in (1, 2)]
+        + [(7,) * 50]
+    )
+    groups = _shared_prefix_groups(prompts)
+    # two runs of one scenario each (saving 2 x 132 + 1 x 132 tokens), not one run over the
+    # system prompt that all five share (4 x 32)
+    assert [(b - a, n) for a, b, n in groups] == [(3, 132), (2, 132)]
+    assert all(len(set(p[:n] for p in prompts[a:b])) == 1 for a, b, n in groups)
+    assert _shared_prefix_groups([base, base[:MIN_SHARED_PREFIX]]) == []  # keeps one own token
+    assert _shared_prefix_groups([(*base[:40], 1), (*base[:40], 2)]) == [(0, 2, 40)]
+    assert _length_buckets([400, 390, 60, 55, 40, 20]) == [(0, 2), (2, 6)]
+    assert _length_buckets([60, 40, 10]) == [(0, 3)]  # spares 50 positions: not worth a pass
+    assert _length_buckets([]) == []
+
+
 def test_prefix_cache_takes_the_longest_prefix_and_evicts_within_its_budget():
     from selfplay.engines.hf import PrefixCache
 

@@ -125,8 +125,9 @@ class HFEngineConfig(BaseModel):
     device: str | None = Field(None, description="cpu, cuda, cuda:1 (default: cuda if any).")
     dtype: ComputeDtype = "auto"  # the weights' dtype too; float32/bfloat16 read as fp32/bf16
     max_batch_size: int = Field(64, ge=1, description="requests decoded together at most.")
-    # torch CPU threads (process-wide). None: all cores but one, which the games' event loop
-    # needs; oversubscribed OpenMP threads made decoding 10-20x slower on a 2-core machine.
+    # torch CPU threads (process-wide). None: every core this process may run on. The games'
+    # event loop is light beside decoding (under 2% of a run's CPU time, profiled): on 2 cores,
+    # 2 threads generated 64 games 1.4-1.8x faster than 1 (benchmarks/bench_generate.py part e).
     cpu_threads: int | None = Field(None, ge=1)
     # Prefix KV cache budget in tokens (0: off). A finished row's KV is kept so that the next turn
     # of its conversation prefills only the new tokens; the least recently kept go first. A token

@@ -20,10 +20,19 @@ causal mask compares indices, which keep the order of a row's real tokens), and 
 are passed explicitly, counting each row's real tokens. Reused KV equals a full prefill's up to
 float rounding (it was computed in another batch), not bit for bit. Identical prompts in one
 batch (the games of a GRPO group start alike) are prefilled once.
+
+Two more passes keep a batch's prefill from computing what it need not (prefix cache on):
+- prompts without a kept prefix that start alike (a seat's first turn in the games of one
+  scenario: the same rules and table, then each game's own first message) share one prefill of
+  their common prefix, which is also kept (not taken away) for the group's later arrivals;
+- rows far longer than the rest (a first turn beside continuing turns) are prefilled apart,
+  in buckets of similar length, so that the short rows are not padded to them.
+Both were measured on 64 warm-started self-play games (benchmarks/bench_generate.py part e).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import OrderedDict
@@ -47,9 +56,14 @@ from selfplay.engines import (
     HFEngineConfig,
 )
 from selfplay.engines.batching import Batcher, Reply
-from selfplay.hardware import resolve_dtype
+from selfplay.hardware import resolve_dtype, usable_cores
 
 log = logging.getLogger(__name__)
+
+# Shorter common prefixes are not worth a pass of their own, nor are long rows prefilled apart
+# if that spares the others fewer padded positions.
+MIN_SHARED_PREFIX = 32
+MIN_SPARED_SLOTS = 512
 
 
 class HFEngine:
@@ -61,7 +75,7 @@ class HFEngine:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            threads = config.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
+            threads = config.cpu_threads or usable_cores()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         # auto: bf16 where the device computes it natively (selfplay.hardware)
@@ -93,7 +107,8 @@ class HFEngine:
         )
         self.generated_tokens = 0
         self.prefilled_tokens = 0  # prompt tokens fed through the model
-        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead
+        self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
+        self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
         self._cache_layers = _plain_cache_layers(self.model)
         self.prefix_cache = (
             PrefixCache(config.prefix_cache_tokens)
@@ -202,19 +217,30 @@ class HFEngine:
         """Feed the prompts through the model, each after its longest kept prefix (the layout of
         the module docstring): (cache, last logits, attention mask, last positions) per prompt.
         ``room``: the tokens that decoding may add."""
+        kept: list[torch.Tensor | None] = [None] * len(prompts)
+        if self.prefix_cache is not None:
+            kept = [self.prefix_cache.take(p) for p in prompts]
+            self.reused_tokens += sum(_length(kv) for kv in kept)
+            kept = self._share_prefixes(prompts, kept)
+            kept = self._prefill_long_rows_apart(prompts, kept)
+        self.prefilled_tokens += sum(len(p) - _length(kv) for p, kv in zip(prompts, kept))
+        cache, logits, attn, positions = self._forward(prompts, kept, room)
+        return cache, logits, attn, positions[:, -1]
+
+    def _forward(
+        self, seqs: Sequence[Sequence[int]], kept: list[torch.Tensor | None], room: int
+    ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One padded pass over ``seqs``, each after its kept KV: (cache with room for ``room``
+        more tokens, last logits, attention mask, positions of the new tokens)."""
         dev = self.device
-        n = len(prompts)
-        kept = [
-            self.prefix_cache.take(p) if self.prefix_cache is not None else None for p in prompts
-        ]
-        reused = [0 if kv is None else kv.shape[-2] for kv in kept]
-        new = [len(p) - c for p, c in zip(prompts, reused)]
-        self.reused_tokens += sum(reused)
-        self.prefilled_tokens += sum(new)
+        n = len(seqs)
+        reused = [_length(kv) for kv in kept]
+        new = [len(p) - c for p, c in zip(seqs, reused)]
         past, width = max(reused), max(new)
+        self.prefill_slots += n * width
         ids = torch.full((n, width), self._pad_id, dtype=torch.long)
         attn = torch.zeros((n, past + width), dtype=torch.long)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(seqs):
             ids[i, width - new[i] :] = torch.tensor(p[reused[i] :])
             attn[i, past - reused[i] : past] = 1
             attn[i, past + width - new[i] :] = 1
@@ -229,7 +255,54 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        return cache, out.logits[:, -1, :], attn, positions[:, -1]
+        return cache, out.logits[:, -1, :], attn, positions
+
+    def _kv_of(
+        self, seqs: Sequence[Sequence[int]], kept: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        """Each sequence's KV over all its tokens (one pass, its kept KV reused)."""
+        cache, _, attn, _ = self._forward(seqs, kept, 0)
+        return [_row_kv(cache, b, attn[b]) for b in range(len(seqs))]
+
+    def _share_prefixes(
+        self, prompts: list[tuple[int, ...]], kept: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Prompts with nothing kept that start alike get their common prefix's KV from one
+        pass; each prefix is kept in the prefix cache for later prompts that start with it."""
+        assert self.prefix_cache is not None
+        misses = sorted((i for i, kv in enumerate(kept) if kv is None), key=prompts.__getitem__)
+        groups = _shared_prefix_groups([prompts[i] for i in misses])
+        if not groups:
+            return kept
+        prefixes = [prompts[misses[a]][:length] for a, _, length in groups]
+        kvs = self._kv_of(prefixes, [None] * len(prefixes))
+        kept = list(kept)
+        for (a, b, length), prefix, kv in zip(groups, prefixes, kvs):
+            for j in range(a, b):
+                kept[misses[j]] = kv
+            self.prefilled_tokens += length
+            self.reused_tokens += length * (b - a - 1)
+            self.prefix_cache.put(prefix, kv, shared=True)
+        return kept
+
+    def _prefill_long_rows_apart(
+        self, prompts: list[tuple[int, ...]], kept: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Rows whose new tokens are many times the others' get their KV (all of the prompt
+        but its last token) from passes of their own, rows of similar length together."""
+        new = [len(p) - _length(kv) for p, kv in zip(prompts, kept)]
+        order = sorted(range(len(prompts)), key=new.__getitem__, reverse=True)
+        buckets = _length_buckets([new[i] for i in order])
+        if len(buckets) < 2:
+            return kept
+        kept = list(kept)
+        for a, b in buckets[:-1]:  # the shortest rows stay for the batch's own pass
+            rows = order[a:b]
+            kvs = self._kv_of([prompts[i][:-1] for i in rows], [kept[i] for i in rows])
+            for i, kv in zip(rows, kvs):
+                self.prefilled_tokens += new[i] - 1
+                kept[i] = kv
+        return kept
 
     def _batch_cache(self, kept: list[torch.Tensor | None], past: int, capacity: int) -> Cache:
         """The batch's KV cache, room for ``capacity`` tokens, each row's kept KV left-padded to
@@ -268,27 +341,35 @@ class PrefixCache:
 
     An entry is a tensor ``[layers, 2 (key, value), kv heads, tokens, head dim]``. ``take``
     removes what it returns: a conversation only grows, so its next turn keeps a longer entry and
-    the old one would never be used again. Only the engine's worker thread touches it.
+    the old one would never be used again; a shared prefix (``put(shared=True)``) stays. Only
+    the engine's worker thread touches it.
     """
 
     def __init__(self, budget_tokens: int) -> None:
         self.budget_tokens = budget_tokens
         self.tokens = 0  # tokens held, at most budget_tokens
         self._entries: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._shared: set[tuple[int, ...]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ids: tuple[int, ...], kv: torch.Tensor) -> None:
+    def put(self, ids: tuple[int, ...], kv: torch.Tensor, *, shared: bool = False) -> None:
+        """Keep ``kv`` under ``ids``; a ``shared`` entry (a prefix that several conversations
+        start with) stays when taken, until evicted."""
         if len(ids) > self.budget_tokens:
             return
         if self._entries.pop(ids, None) is not None:
             self.tokens -= len(ids)
+            self._shared.discard(ids)
         self._entries[ids] = kv
         self.tokens += len(ids)
+        if shared:
+            self._shared.add(ids)
         while self.tokens > self.budget_tokens:
             evicted, _ = self._entries.popitem(last=False)
             self.tokens -= len(evicted)
+            self._shared.discard(evicted)
 
     def take(self, prompt: Sequence[int]) -> torch.Tensor | None:
         """Remove and return the KV of the longest kept sequence that starts ``prompt`` (None if
@@ -306,9 +387,74 @@ class PrefixCache:
                 best = ids
         if not best:
             return None
-        kv = self._entries.pop(best)
-        self.tokens -= len(best)
+        if best in self._shared:
+            self._entries.move_to_end(best)
+            kv = self._entries[best]
+        else:
+            kv = self._entries.pop(best)
+            self.tokens -= len(best)
         return kv[..., : len(prompt) - 1, :]
+
+
+def _length(kv: torch.Tensor | None) -> int:
+    return 0 if kv is None else kv.shape[-2]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _shared_prefix_groups(prompts: list[tuple[int, ...]]) -> list[tuple[int, int, int]]:
+    """Runs of sorted ``prompts`` to prefill one common prefix for: ``(start, end, length)``,
+    chosen to save the most tokens (a run of k prompts sharing L tokens saves (k - 1) L; each
+    prompt keeps at least one token of its own). Only prefixes of ``MIN_SHARED_PREFIX`` tokens
+    or more count."""
+    m = len(prompts)
+    if m < 2:
+        return []
+    adjacent = [_common_prefix(a, b) for a, b in itertools.pairwise(prompts)]
+    best = [0] * (m + 1)  # best[j]: tokens saved over the first j prompts
+    choice: list[tuple[int, int] | None] = [None] * (m + 1)
+    for j in range(1, m + 1):
+        best[j], choice[j] = best[j - 1], None
+        shared, shortest = len(prompts[j - 1]), len(prompts[j - 1])
+        for i in range(j - 2, -1, -1):  # the run prompts[i:j]
+            shared = min(shared, adjacent[i])
+            shortest = min(shortest, len(prompts[i]))
+            length = min(shared, shortest - 1)
+            if length < MIN_SHARED_PREFIX:
+                break
+            if best[i] + (j - i - 1) * length > best[j]:
+                best[j], choice[j] = best[i] + (j - i - 1) * length, (i, length)
+    groups, j = [], m
+    while j > 0:
+        if choice[j] is None:
+            j -= 1
+            continue
+        i, length = choice[j]
+        groups.append((i, j, length))
+        j = i
+    return groups[::-1]
+
+
+def _length_buckets(new: list[int]) -> list[tuple[int, int]]:
+    """Split rows sorted by new tokens (longest first) into runs ``(start, end)`` whose padding
+    stays small: a run ends before a row with less than half its longest row's tokens, where
+    that spares the rows left ``MIN_SPARED_SLOTS`` padded positions or more (a pass of its own
+    and a copy of its rows' KV cost about that)."""
+    buckets, start = [], 0
+    for i in range(1, len(new)):
+        spared = (len(new) - i) * (new[start] - new[i])
+        if 2 * new[i] < new[start] and spared >= MIN_SPARED_SLOTS:
+            buckets.append((start, i))
+            start = i
+    if new:
+        buckets.append((start, len(new)))
+    return buckets
 
 
 def _plain_cache_layers(model) -> int:
