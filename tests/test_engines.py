@@ -255,6 +255,43 @@ def test_hf_rows_far_longer_than_the_rest_are_prefilled_apart(hf):
         assert_same_generations(got, want)
 
 
+def test_hf_requests_join_a_running_batch_and_match_single_requests(hf):
+    """Games' next turns join the batch that is still decoding a long row (instead of waiting
+    for it to end): a turn that joins equals the same request run alone with the cache off, so
+    does the long row around which the batch was rebuilt, and the joins really happened."""
+    long_req = GenerationRequest(prompt(hf, "tell a long story"), 160, temperature=0.0)
+    starts = [
+        GenerationRequest(prompt(hf, f"game {i}"), 3, temperature=0.8, seed=i) for i in range(3)
+    ]
+    engine = fresh(hf)
+
+    async def game(req: GenerationRequest, turns: int):
+        out = []
+        for t in range(turns):
+            gen = await engine.generate(req)
+            out.append((req, gen))
+            req = extend(req, gen, prompt(hf, f"[message] turn {t}"), max_new_tokens=3 + t)
+        return out
+
+    async def go():
+        try:
+            return await asyncio.gather(engine.generate(long_req), *(game(r, 4) for r in starts))
+        finally:
+            await engine.aclose()
+
+    long_gen, *games = run(go())
+    assert len(long_gen.token_ids) == 160
+    assert engine._batcher.joined >= 3  # later turns joined the long row's batch
+    assert engine._batcher.batches < 1 + 3  # fewer batches than turns a game played
+    off = fresh(hf, prefix_cache_tokens=0)
+    (want,) = run(gather_close(fresh(off), [long_req]))
+    assert_same_generations(long_gen, want)
+    for turns in games:
+        for req, got in turns:
+            (want,) = run(gather_close(fresh(off), [req]))
+            assert_same_generations(got, want)
+
+
 def test_shared_prefix_groups_and_length_buckets():
     from selfplay.engines.hf import MIN_SHARED_PREFIX, _length_buckets, _shared_prefix_groups
 

@@ -4,7 +4,8 @@ Many games call ``generate`` at nearly the same time; the batcher waits until no
 arrives within one turn of the event loop (so every game that is ready joins), takes up to
 ``max_batch_size`` requests, and hands them to ``run_batch`` in a worker thread. ``run_batch``
 answers each request through its ``reply`` callback as soon as that row is finished, so a game
-can think about its next move while the rest of the batch is still decoding.
+can think about its next move while the rest of the batch is still decoding, and ``run_batch``
+may take requests that arrived since (``take_waiting``) into the batch it is running.
 """
 
 from __future__ import annotations
@@ -42,14 +43,18 @@ class Batcher:
         self._worker: asyncio.Task | None = None
         self._closed = False
         self.stopping = threading.Event()  # run_batch checks it between steps to stop early
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running: list[_Item] = []  # the batch being decoded, joined requests included
         self.batches = 0  # statistics, for benchmarks
         self.rows = 0
+        self.joined = 0  # rows taken into a running batch (``take_waiting``)
 
     async def submit(self, request: GenerationRequest) -> Generation:
         if self._closed:
             raise EngineFailure(f"{self._name} is closed")
         loop = asyncio.get_running_loop()
         if self._worker is None:
+            self._loop = loop
             self._wake = asyncio.Event()
             self._worker = loop.create_task(self._work(), name=f"{self._name}-batcher")
         future = loop.create_future()
@@ -70,6 +75,31 @@ class Batcher:
         batch, self._pending = live[: self._max], live[self._max :]
         return batch
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a batch (a hint: read without a lock from any thread)."""
+        return len(self._pending)
+
+    def take_waiting(self, limit: int) -> tuple[list[GenerationRequest], list[Reply]]:
+        """Called by ``run_batch`` (in the worker thread): up to ``limit`` waiting requests and
+        their reply callbacks, now part of the running batch."""
+
+        async def take() -> list[_Item]:
+            live = [it for it in self._pending if not it.future.done()]
+            taken, self._pending = live[:limit], live[limit:]
+            self._running += taken
+            return taken
+
+        if limit < 1 or self._loop is None or self._closed or self.stopping.is_set():
+            return [], []
+        try:
+            items = asyncio.run_coroutine_threadsafe(take(), self._loop).result()
+        except RuntimeError:  # the loop is closed: the engine is going away
+            return [], []
+        self.rows += len(items)
+        self.joined += len(items)
+        return [it.request for it in items], [_replier(self._loop, it.future) for it in items]
+
     async def _work(self) -> None:
         assert self._wake is not None
         loop = asyncio.get_running_loop()
@@ -83,21 +113,23 @@ class Batcher:
                 continue
             self.batches += 1
             self.rows += len(batch)
+            self._running = list(batch)
             replies = [_replier(loop, it.future) for it in batch]
             try:
                 await asyncio.to_thread(self._run_batch, [it.request for it in batch], replies)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the engine itself broke: every waiting game must hear it
-                log.exception("%s: batch of %d failed", self._name, len(batch))
+                log.exception("%s: batch of %d failed", self._name, len(self._running))
                 failure = EngineFailure(f"{self._name} failed on a batch: {type(e).__name__}: {e}")
-                for it in batch:
+                for it in self._running:
                     if not it.future.done():
                         it.future.set_exception(failure)
             # a row the batch forgot to answer is a bug; never leave a game hanging
-            for it in batch:
+            for it in self._running:
                 if not it.future.done():
                     it.future.set_exception(EngineFailure(f"{self._name} did not answer a request"))
+            self._running = []
 
     async def aclose(self) -> None:
         self._closed = True

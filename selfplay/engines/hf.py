@@ -3,7 +3,9 @@
 Prompts are left-padded into one batch; each decoding step samples every row with its own
 temperature, top-p and seeded generator, records log-softmax(logits / temperature) of the
 sampled token (before top-p renormalisation, as SGLang reports it), and drops finished rows
-from the batch and the KV cache. A row is answered as soon as it finishes.
+from the batch and the KV cache. A row is answered as soon as it finishes, and requests that
+arrived since (a game's next turn) join the running batch once they would add half as many rows
+again: they are prefilled apart and both batches' KV left-padded into one cache.
 
 A prefix KV cache (SGLang's radix cache, kept simple) spares re-prefilling a conversation: a
 seat's next prompt is its previous prompt + the sampled ids + new delta tokens, and prefill is
@@ -37,6 +39,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -129,87 +132,154 @@ class HFEngine:
     # the decoding loop (runs in a worker thread)
 
     def _run_batch(self, requests: list[GenerationRequest], replies: list[Reply]) -> None:
-        # Requests that cannot fit are answered with an error; the rest are decoded together.
-        rows: list[int] = []
-        budget: list[int] = []
-        for i, r in enumerate(requests):
+        admitted = self._admit(requests, replies)
+        if admitted[0]:
+            with torch.inference_mode():
+                self._decode(*admitted)
+
+    def _admit(
+        self, requests: list[GenerationRequest], replies: list[Reply]
+    ) -> tuple[list[GenerationRequest], list[Reply], list[int]]:
+        """The requests that fit, their replies and token budgets; the others are answered
+        with an error."""
+        kept: tuple[list[GenerationRequest], list[Reply], list[int]] = ([], [], [])
+        for r, reply in zip(requests, replies):
             room = r.max_new_tokens
             if self.max_context is not None:
                 room = min(room, self.max_context - len(r.prompt_ids))
             if not r.prompt_ids or room < 1:
-                replies[i](
+                reply(
                     EngineRequestError(
                         f"prompt of {len(r.prompt_ids)} tokens leaves no room to generate "
                         f"(model context {self.max_context})"
                     )
                 )
                 continue
-            rows.append(i)
-            budget.append(room)
-        if not rows:
-            return
-        with torch.inference_mode():
-            self._decode([requests[i] for i in rows], [replies[i] for i in rows], budget)
+            kept[0].append(r)
+            kept[1].append(reply)
+            kept[2].append(room)
+        return kept
 
     def _decode(
         self, requests: list[GenerationRequest], replies: list[Reply], budget: list[int]
     ) -> None:
+        run = self._start(requests, replies, budget)
+        while True:
+            if self._batcher.stopping.is_set():
+                return
+            self._sample_step(run)
+            if not run.active:
+                return  # what waits now starts a batch of its own
+            joining = self._waiting_to_join(len(run.active))
+            if joining:
+                new = self._admit(*self._batcher.take_waiting(joining))
+                if new[0]:
+                    more = self._start(*new)
+                    self._sample_step(more)
+                    if more.active:
+                        run = self._merge(run, more)
+            run.attn = torch.cat([run.attn, run.attn.new_ones((len(run.active), 1))], dim=1)
+            run.last_pos = run.last_pos + 1
+            out = self.model(
+                input_ids=run.tok[:, None],
+                attention_mask=run.attn,
+                position_ids=run.last_pos[:, None],
+                past_key_values=run.cache,
+                use_cache=True,
+            )
+            run.logits = out.logits[:, -1, :]
+
+    def _waiting_to_join(self, active: int) -> int:
+        """How many waiting requests to take into a running batch of ``active`` rows now (0:
+        none). Joining copies the batch's KV cache into a wider one, so requests join when
+        they would add half as many rows again (or fill the batch); models whose cache cannot
+        be spliced (``_plain_cache_layers``) never join."""
+        room = self.config.max_batch_size - active
+        waiting = self._batcher.waiting
+        if not self._cache_layers or room < 1 or not waiting:
+            return 0
+        return min(waiting, room) if min(waiting, room) >= max(1, active // 2) else 0
+
+    def _start(
+        self, requests: list[GenerationRequest], replies: list[Reply], budget: list[int]
+    ) -> _Running:
+        """Prefill the requests into a new running batch (its first logits ready to sample)."""
         dev = self.device
-        n = len(requests)
         # Identical prompts (the games of a GRPO group all start alike) are prefilled once.
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in requests]
         cache, logits, attn, last_pos = self._prefill(list(first), max(budget))
-        if len(first) < n:
+        if len(first) < len(requests):
             index = torch.tensor(source, device=dev)
             cache.batch_select_indices(index)
             logits, attn, last_pos = logits[index], attn[index], last_pos[index]
-        temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=dev)
-        gens = [_generator(r.seed) for r in requests]
-        stops = [frozenset(r.stop_token_ids) for r in requests]
-        out_ids: list[list[int]] = [[] for _ in range(n)]
-        out_lp: list[list[float]] = [[] for _ in range(n)]
-        active = list(range(n))  # original row of each current batch row
-        while active:
-            if self._batcher.stopping.is_set():
-                return
-            u = torch.stack([torch.rand((), generator=gens[row]) for row in active]).to(dev)
-            tok, lp = _sample(logits.float(), temps, top_p, u)
-            tok_l, lp_l = tok.tolist(), lp.tolist()
-            keep: list[int] = []
-            for b, row in enumerate(active):
-                out_ids[row].append(tok_l[b])
-                out_lp[row].append(lp_l[b])
-                if tok_l[b] in stops[row]:
-                    reason = "stop"
-                elif len(out_ids[row]) >= budget[row]:
-                    reason = "length"
-                else:
-                    keep.append(b)
-                    continue
-                if self.prefix_cache is not None:
-                    fed = (*requests[row].prompt_ids, *out_ids[row][:-1])
-                    self.prefix_cache.put(fed, _row_kv(cache, b, attn[b]))
-                self._finish(row, requests, replies, out_ids, out_lp, reason)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.long, device=dev)
-                cache.batch_select_indices(index)
-                attn, tok = attn[index], tok[index]
-                temps, top_p, last_pos = temps[index], top_p[index], last_pos[index]
-                active = [active[b] for b in keep]
-            attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
-            last_pos = last_pos + 1
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=last_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1, :]
+        return _Running(
+            requests=list(requests),
+            replies=list(replies),
+            budget=list(budget),
+            gens=[_generator(r.seed) for r in requests],
+            stops=[frozenset(r.stop_token_ids) for r in requests],
+            out_ids=[[] for _ in requests],
+            out_lp=[[] for _ in requests],
+            active=list(range(len(requests))),
+            cache=cache,
+            logits=logits,
+            attn=attn,
+            last_pos=last_pos,
+            temps=torch.tensor([r.temperature for r in requests], device=dev),
+            top_p=torch.tensor([r.top_p for r in requests], device=dev),
+            tok=logits.new_zeros(0, dtype=torch.long),
+        )
+
+    def _sample_step(self, run: _Running) -> None:
+        """Sample every active row's next token; answer the rows that finished and drop them
+        from the batch (their KV kept in the prefix cache); ``run.tok``: the rest's tokens."""
+        u = torch.stack([torch.rand((), generator=run.gens[row]) for row in run.active])
+        tok, lp = _sample(run.logits.float(), run.temps, run.top_p, u.to(self.device))
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        keep: list[int] = []
+        for b, row in enumerate(run.active):
+            run.out_ids[row].append(tok_l[b])
+            run.out_lp[row].append(lp_l[b])
+            if tok_l[b] in run.stops[row]:
+                reason = "stop"
+            elif len(run.out_ids[row]) >= run.budget[row]:
+                reason = "length"
+            else:
+                keep.append(b)
+                continue
+            if self.prefix_cache is not None:
+                fed = (*run.requests[row].prompt_ids, *run.out_ids[row][:-1])
+                self.prefix_cache.put(fed, _row_kv(run.cache, b, run.attn[b]))
+            self._finish(row, run.requests, run.replies, run.out_ids, run.out_lp, reason)
+        if len(keep) < len(run.active) and keep:
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            run.cache.batch_select_indices(index)
+            run.attn, tok = run.attn[index], tok[index]
+            run.temps, run.top_p = run.temps[index], run.top_p[index]
+            run.last_pos = run.last_pos[index]
+        run.active = [run.active[b] for b in keep]
+        run.tok = tok if keep else tok[:0]
+
+    def _merge(self, a: _Running, b: _Running) -> _Running:
+        """One running batch of ``a``'s rows then ``b``'s: each row's KV and mask left-padded
+        to the longer of the two, in a cache with room for every row's remaining budget."""
+        width = max(a.attn.shape[1], b.attn.shape[1])
+        offset = len(a.requests)
+        for name in ("requests", "replies", "budget", "gens", "stops", "out_ids", "out_lp"):
+            getattr(a, name).extend(getattr(b, name))
+        a.active += [offset + row for row in b.active]
+        room = max(a.budget[row] - len(a.out_ids[row]) for row in a.active)
+        a.cache = Cache(
+            layers=[
+                _PreallocatedLayer.stacked([la, lb], width, width + room)
+                for la, lb in zip(a.cache.layers, b.cache.layers)
+            ]
+        )
+        a.attn = torch.cat([_pad_left(a.attn, width, dim=1), _pad_left(b.attn, width, dim=1)])
+        for name in ("last_pos", "temps", "top_p", "tok"):  # (the logits: sampled already)
+            setattr(a, name, torch.cat([getattr(a, name), getattr(b, name)]))
+        return a
 
     def _prefill(
         self, prompts: list[tuple[int, ...]], room: int
@@ -334,6 +404,40 @@ class HFEngine:
                 prompt_tokens=len(requests[row].prompt_ids),
             )
         )
+
+
+@dataclass
+class _Running:
+    """A batch being decoded. Lists are by row (the order the requests came in, joined ones
+    after); ``active`` names the row at each batch position, and the tensors (the KV cache, the
+    attention mask, the next logits or sampled tokens, positions, sampling settings) follow the
+    batch positions."""
+
+    requests: list[GenerationRequest]
+    replies: list[Reply]
+    budget: list[int]
+    gens: list[torch.Generator]
+    stops: list[frozenset[int]]
+    out_ids: list[list[int]]
+    out_lp: list[list[float]]
+    active: list[int]
+    cache: Cache
+    logits: torch.Tensor
+    attn: torch.Tensor
+    last_pos: torch.Tensor
+    temps: torch.Tensor
+    top_p: torch.Tensor
+    tok: torch.Tensor
+
+
+def _pad_left(x: torch.Tensor, width: int, *, dim: int) -> torch.Tensor:
+    """``x`` with zeros before it along ``dim`` up to ``width``."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 class PrefixCache:
@@ -498,6 +602,25 @@ class _PreallocatedLayer(DynamicLayer):
         self._values[..., start:end, :] = value_states
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
+
+    @classmethod
+    def stacked(cls, parts: list[DynamicLayer], width: int, capacity: int) -> _PreallocatedLayer:
+        """One layer holding the rows of ``parts`` in order, each part's tokens left-padded
+        (zeros) to ``width``, with room for ``capacity`` tokens: one copy of each part."""
+        first = parts[0].keys
+        rows = sum(p.keys.shape[0] for p in parts)
+        shape = (rows, first.shape[1], capacity, first.shape[-1])
+        layer = cls(capacity)
+        layer.lazy_initialization(first, parts[0].values)
+        layer._keys, layer._values = first.new_zeros(shape), first.new_zeros(shape)
+        row = 0
+        for p in parts:
+            n, length = p.keys.shape[0], p.keys.shape[-2]
+            layer._keys[row : row + n, :, width - length : width] = p.keys
+            layer._values[row : row + n, :, width - length : width] = p.values
+            row += n
+        layer.keys, layer.values = layer._keys[..., :width, :], layer._values[..., :width, :]
+        return layer
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._keys is not None:
