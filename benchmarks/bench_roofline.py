@@ -12,7 +12,9 @@ that follows, and (optionally) the measured tokens/s of the real stages against 
    log-prob forward + forward + backward). Decoding one token at a time is memory-bound, so the
    generate limit is an upper bound that a small batch does not reach.
 3. --stages (minutes): tokens/s of the real stages on the embedded SmolLM2-135M, as a ratio of the
-   limit (target 0.6): generate (hf engine, prompt tokens prefilled + generated tokens), SFT
+   limit (target 0.6): generate (hf engine, 64 games as a `make learn` round, prompt tokens
+   prefilled + generated tokens: KV the engine reuses is not counted, so sparing prefill can
+   lower this rate while games/s rise; games/s are in the notes), SFT
    (benchmarks/bench_sft.py, verl) and the train update (benchmarks/bench_train.py, verl). They
    run in --dtype, or with --dtype both in the dtype `resolve_dtype("auto", "cpu")` picks.
 
@@ -97,7 +99,7 @@ def stage_generate(model: str, dtype: str, tmp: Path) -> tuple[float, str]:
     from selfplay.seats import SamplingParams
 
     cfg = GenerateConfig(
-        out=tmp / "generate", num_games=12, model=model, table_size=3, games_per_scenario=4,
+        out=tmp / "generate", num_games=64, model=model, table_size=3, games_per_scenario=4,
         max_actions=10, sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
     )  # fmt: skip
     engine = open_engine(HFEngineConfig(model=model, device="cpu", dtype=dtype))
@@ -113,7 +115,8 @@ def stage_generate(model: str, dtype: str, tmp: Path) -> tuple[float, str]:
     tokens = engine.prefilled_tokens + engine.generated_tokens
     note = (
         f"{engine.prefilled_tokens} prefilled + {engine.generated_tokens} generated tokens, "
-        f"{st.played} games in {st.seconds:.1f} s, {torch.get_num_threads()} engine threads"
+        f"{st.played} games in {st.seconds:.1f} s ({st.played / st.seconds:.2f} games/s), "
+        f"{torch.get_num_threads()} engine threads"
     )
     return tokens / st.seconds, note
 
