@@ -340,6 +340,25 @@ def test_prefix_cache_takes_the_longest_prefix_and_evicts_within_its_budget():
     assert (len(cache), cache.tokens) == (1, 3)
 
 
+def test_hf_prefix_cache_budget_defaults_to_a_share_of_free_memory(hf, monkeypatch):
+    from selfplay.engines import hf as hf_module
+
+    c = hf.model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * heads * head_dim * hf.model.dtype.itemsize
+    monkeypatch.setattr(hf_module, "available_memory", lambda device: 64 * 2**30)
+    assert fresh(hf, prefix_cache_tokens=None).prefix_cache.budget_tokens == (
+        16 * 2**30 // per_token
+    )
+    monkeypatch.setattr(hf_module, "available_memory", lambda device: 2**20)
+    assert fresh(hf, prefix_cache_tokens=None).prefix_cache.budget_tokens == 65536  # the floor
+    monkeypatch.setattr(hf_module, "available_memory", lambda device: None)
+    assert fresh(hf, prefix_cache_tokens=None).prefix_cache.budget_tokens == 65536
+    assert fresh(hf, prefix_cache_tokens=1000).prefix_cache.budget_tokens == 1000
+    assert fresh(hf, prefix_cache_tokens=0).prefix_cache is None
+
+
 def test_hf_prefix_cache_memory_stays_within_its_budget(hf):
     """Many conversations through an engine whose budget holds about two of them."""
     reqs = [GenerationRequest(prompt(hf, f"game {i}"), 6, temperature=0.0) for i in range(6)]

@@ -285,6 +285,13 @@ def test_a_manifest_written_before_the_stage_table_still_resumes(tmp_path, monke
     assert manifest.heldout[2].reward_mean == pytest.approx(0.7214, abs=1e-3)
     cfg = IterateConfig(**manifest.config)
     assert cfg.identity() == config_identity(manifest.config)
+    # how fast the engine decodes may change on resume (the prefix budget's default did), what
+    # it computes may not
+    engine = manifest.config["engine"] | {"prefix_cache_tokens": None, "cpu_threads": 1}
+    faster = IterateConfig(**manifest.config | {"engine": engine | {"max_batch_size": 32}})
+    assert faster.identity() == config_identity(manifest.config)
+    other = IterateConfig(**manifest.config | {"engine": engine | {"dtype": "fp32"}})
+    assert other.identity() != config_identity(manifest.config)
     monkeypatch.chdir(tmp_path)  # the run's folders are relative: data/demo, checkpoints/demo
     (tmp_path / "data" / "demo").mkdir(parents=True)
     shutil.copy(old, tmp_path / "data" / "demo" / "manifest.json")

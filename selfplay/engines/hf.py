@@ -59,7 +59,7 @@ from selfplay.engines import (
     HFEngineConfig,
 )
 from selfplay.engines.batching import Batcher, Reply
-from selfplay.hardware import resolve_dtype, usable_cores
+from selfplay.hardware import available_memory, resolve_dtype, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +113,10 @@ class HFEngine:
         self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
         self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
         self._cache_layers = _plain_cache_layers(self.model)
-        self.prefix_cache = (
-            PrefixCache(config.prefix_cache_tokens)
-            if config.prefix_cache_tokens and self._cache_layers
-            else None
-        )
+        budget = config.prefix_cache_tokens
+        if budget is None:
+            budget = _auto_prefix_budget(self.model, str(self.device))
+        self.prefix_cache = PrefixCache(budget) if budget and self._cache_layers else None
 
     async def start(self) -> None:
         return None
@@ -580,6 +579,25 @@ def _length_buckets(new: list[int]) -> list[tuple[int, int]]:
     if new:
         buckets.append((start, len(new)))
     return buckets
+
+
+# The prefix cache's default budget: this share of the memory free when the engine starts, and
+# never less than this many tokens.
+AUTO_PREFIX_SHARE = 0.25
+AUTO_PREFIX_MIN_TOKENS = 65536
+
+
+def _auto_prefix_budget(model, device: str) -> int:
+    """Tokens of KV that ``AUTO_PREFIX_SHARE`` of the free memory holds (at least
+    ``AUTO_PREFIX_MIN_TOKENS``, the old fixed default)."""
+    c = model.config.get_text_config()
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+    free = available_memory(device)
+    if free is None:
+        return AUTO_PREFIX_MIN_TOKENS
+    return max(AUTO_PREFIX_MIN_TOKENS, int(AUTO_PREFIX_SHARE * free) // per_token)
 
 
 def _plain_cache_layers(model) -> int:

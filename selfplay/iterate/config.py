@@ -283,6 +283,10 @@ TRAIN_ADDED_LATER = {
 # Train options a resume may change (what is kept on disk, not what is trained).
 TRAIN_RESUMABLE = ("keep_checkpoints", "save_verl_checkpoint")  # the latter: its earlier name
 
+# Engine options a resume may change: how fast it decodes, not what (a batch's rows, threads and
+# reused KV change float rounding only, as the batches that concurrent games happen to form do).
+ENGINE_RESUMABLE = ("max_batch_size", "cpu_threads", "prefix_cache_tokens")
+
 
 def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dump (new or from a manifest) that a resume must keep."""
@@ -302,6 +306,8 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
         if train.get(name, old) == old:
             train.pop(name, None)
     out["train"] = train
+    if isinstance(out.get("engine"), dict):
+        out["engine"] = {k: v for k, v in out["engine"].items() if k not in ENGINE_RESUMABLE}
     return out
 
 
