@@ -274,25 +274,33 @@ def part_e(tmp: Path, args) -> list[tuple]:
     return rows
 
 
-def threads_child(threads: int, model: str, out: str, args) -> None:
-    from selfplay.engines import HFEngineConfig, open_engine
+def play_hf(cfg: GenerateConfig, engine_config):
+    """Play ``cfg``'s games on an hf engine opened here: (run stats, the engine, for its
+    prefilled / generated token counts)."""
+    from selfplay.engines import open_engine
     from selfplay.generate.runner import generate_games
+
+    engine = open_engine(engine_config)
+
+    async def go():
+        try:
+            await engine.start()
+            return await generate_games(cfg, engine, load_chat_format(cfg.model))
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(go()).stats, engine
+
+
+def threads_child(threads: int, model: str, out: str, args) -> None:
+    from selfplay.engines import HFEngineConfig
 
     cfg = GenerateConfig(
         out=Path(out), num_games=args.games, model=model, table_size=args.table_size,
         games_per_scenario=8, partner=args.partner, max_actions=args.max_actions,
         sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
     )  # fmt: skip
-    engine = open_engine(HFEngineConfig(model=model, device="cpu", cpu_threads=threads))
-
-    async def go():
-        try:
-            await engine.start()
-            return await generate_games(cfg, engine, load_chat_format(model))
-        finally:
-            await engine.aclose()
-
-    st = asyncio.run(go()).stats
+    st, engine = play_hf(cfg, HFEngineConfig(model=model, device="cpu", cpu_threads=threads))
     assert st.played == args.games
     print(json.dumps({
         "seconds": st.seconds, "prefilled": engine.prefilled_tokens,

@@ -25,7 +25,6 @@ Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import statistics
@@ -92,26 +91,17 @@ def cpu_name() -> str:
 
 def stage_generate(model: str, dtype: str, tmp: Path) -> tuple[float, str]:
     """tokens/s through the model (prefilled prompt tokens + generated tokens) of a short run."""
-    from selfplay.engines import HFEngineConfig, open_engine
+    from bench_generate import play_hf  # (this folder: sys.path[0] when run as a script)
+
+    from selfplay.engines import HFEngineConfig
     from selfplay.generate.config import GenerateConfig
-    from selfplay.generate.runner import generate_games
-    from selfplay.players.llm import load_chat_format
     from selfplay.seats import SamplingParams
 
     cfg = GenerateConfig(
         out=tmp / "generate", num_games=64, model=model, table_size=3, games_per_scenario=4,
         max_actions=10, sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
     )  # fmt: skip
-    engine = open_engine(HFEngineConfig(model=model, device="cpu", dtype=dtype))
-
-    async def go():
-        try:
-            await engine.start()
-            return await generate_games(cfg, engine, load_chat_format(model))
-        finally:
-            await engine.aclose()
-
-    st = asyncio.run(go()).stats
+    st, engine = play_hf(cfg, HFEngineConfig(model=model, device="cpu", dtype=dtype))
     tokens = engine.prefilled_tokens + engine.generated_tokens
     note = (
         f"{engine.prefilled_tokens} prefilled + {engine.generated_tokens} generated tokens, "
