@@ -195,11 +195,10 @@ class HFEngine:
         none). Joining copies the batch's KV cache into a wider one, so requests join when
         they would add half as many rows again (or fill the batch); models whose cache cannot
         be spliced (``_plain_cache_layers``) never join."""
-        room = self.config.max_batch_size - active
-        waiting = self._batcher.waiting
-        if not self._cache_layers or room < 1 or not waiting:
+        if not self._cache_layers:
             return 0
-        return min(waiting, room) if min(waiting, room) >= max(1, active // 2) else 0
+        joining = min(self._batcher.waiting, self.config.max_batch_size - active)
+        return joining if joining >= max(1, active // 2) else 0
 
     def _start(
         self, requests: list[GenerationRequest], replies: list[Reply], budget: list[int]
@@ -238,7 +237,7 @@ class HFEngine:
         until a quarter of the batch is: dropping rows copies the whole KV cache, which cost a
         quarter of a 128-game run when done at every finish, while a dead row costs one row of
         each decoding step."""
-        live = [b for b, row in enumerate(run.active) if row >= 0]
+        live = run.live_positions()
         u = torch.full((len(run.active),), 0.5)  # a dead row's draw: never used
         u[live] = torch.stack([torch.rand((), generator=run.gens[run.active[b]]) for b in live])
         tok, lp = _sample(run.logits.float(), run.temps, run.top_p, u.to(self.device))
@@ -259,9 +258,9 @@ class HFEngine:
             self._finish(row, run.requests, run.replies, run.out_ids, run.out_lp, reason)
             run.active[b] = -1
         run.tok = tok
-        dead = len(run.active) - run.live
-        if dead and (run.live == 0 or 4 * dead >= len(run.active)):
-            keep = [b for b, row in enumerate(run.active) if row >= 0]
+        keep = run.live_positions()
+        dead = len(run.active) - len(keep)
+        if dead and (not keep or 4 * dead >= len(run.active)):
             if keep:
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 run.cache.batch_select_indices(index)
@@ -275,10 +274,7 @@ class HFEngine:
         KV and mask left-padded to the longer of the two, in a cache with room for every row's
         remaining budget."""
         width = max(a.attn.shape[1], b.attn.shape[1])
-        live = [
-            torch.tensor([i for i, row in enumerate(x.active) if row >= 0], device=self.device)
-            for x in (a, b)
-        ]
+        live = [torch.tensor(x.live_positions(), device=self.device) for x in (a, b)]
         offset = len(a.requests)
         for name in ("requests", "replies", "budget", "gens", "stops", "out_ids", "out_lp"):
             getattr(a, name).extend(getattr(b, name))
@@ -444,10 +440,14 @@ class _Running:
     top_p: torch.Tensor
     tok: torch.Tensor
 
+    def live_positions(self) -> list[int]:
+        """Batch positions of the rows still decoding (a finished row stays as -1 until the
+        batch is compacted)."""
+        return [b for b, row in enumerate(self.active) if row >= 0]
+
     @property
     def live(self) -> int:
-        """Rows still decoding (a finished row stays as -1 until the batch is compacted)."""
-        return sum(row >= 0 for row in self.active)
+        return len(self.live_positions())
 
 
 def _pad_left(x: torch.Tensor, width: int, *, dim: int) -> torch.Tensor:
