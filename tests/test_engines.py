@@ -415,6 +415,36 @@ def test_batcher_gathers_concurrent_requests_into_one_batch():
     assert g.token_ids == [5, 6] and g.finish_reason == "length"
 
 
+def test_batcher_fails_the_requests_a_running_batch_took_when_it_breaks():
+    """A batch that took waiting requests in (``take_waiting``) and then broke: the requests it
+    took hear the engine's failure like the batch's own; none is left hanging."""
+    from selfplay.engines.batching import Batcher
+
+    def run_batch(requests, replies):
+        while batcher.waiting < 2:  # the later requests arrive while this batch runs
+            time.sleep(0.01)
+        taken, _ = batcher.take_waiting(2)
+        assert len(taken) == 2
+        raise RuntimeError("device lost")
+
+    batcher = Batcher(run_batch, max_batch_size=8, name="test engine")
+
+    async def go():
+        first = asyncio.ensure_future(batcher.submit(GenerationRequest([1], 2)))
+        await asyncio.sleep(0.05)  # the first batch is running
+        later = [asyncio.ensure_future(batcher.submit(GenerationRequest([2], 2))) for _ in "ab"]
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(first, *later, return_exceptions=True), timeout=10
+            )
+        finally:
+            await batcher.aclose()
+
+    results = run(go())
+    assert all(isinstance(r, EngineFailure) and "device lost" in str(r) for r in results)
+    assert (batcher.batches, batcher.joined) == (1, 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # sglang client against the stand-in
 
