@@ -8,6 +8,12 @@ One rule for the trainer (``--dtype auto``) and the hf engine (``dtype="auto"``)
   fp32 and trains 1.5x faster; on an AVX2-only CPU, bf16 matmul emulated in software runs at
   1-18 GFLOP/s against 100-130 in fp32, and one SFT step took over 300 s against 20 s.
 
+The probe also reads oneDNN's instruction-set cap (``ONEDNN_MAX_CPU_ISA``, the library torch
+computes bf16 matmuls with on CPU): a cap below AVX512_CORE_BF16 leaves bf16 emulated, so the
+rule picks fp32. With ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ATEN_CPU_CAPABILITY=avx2`` a native-bf16 machine computes as an AVX2-only one does
+(benchmarks/README.md: how `make demo` was timed that way).
+
 ``SELFPLAY_NATIVE_BF16=1`` or ``=0`` overrides the CPU probe (tests pin fp32 with it so that
 every machine computes the same numbers); an explicit dtype always wins over the rule.
 This module imports nothing of the package and no torch at import time (the CLI starts
@@ -35,6 +41,11 @@ ComputeDtype = Annotated[
     ),
 ]
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+# oneDNN's ISA names (its docs, "CPU ISA hints") whose cap leaves native bf16 matmul in place
+ONEDNN_BF16_ISAS = frozenset(
+    {"ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16"}
+)
 OVERRIDE_ENV = "SELFPLAY_NATIVE_BF16"
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -59,7 +70,8 @@ def cpu_has_native_bf16() -> bool:
     forced = os.environ.get(OVERRIDE_ENV, "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+    cap = (os.environ.get(ONEDNN_ISA_ENV) or "ALL").strip().upper()
+    return bool(cpu_flags() & NATIVE_BF16_FLAGS) and cap in ONEDNN_BF16_ISAS
 
 
 def native_bf16(device: str) -> bool:

@@ -370,6 +370,37 @@ def test_hf_prefix_cache_memory_stays_within_its_budget(hf):
     assert len(engine.prefix_cache) <= 2
 
 
+def test_hf_engine_keeps_its_last_model_only_in_a_stage_child(tiny_model, tmp_path, monkeypatch):
+    """Where KEEP_MODEL_ENV is set (iterate's stage child) an engine of the same weights takes
+    the model the last one loaded; a folder rewritten since, another dtype, or the variable
+    unset load it again."""
+    import shutil
+
+    from selfplay.engines import KEEP_MODEL_ENV
+    from selfplay.engines import hf as hf_module
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    monkeypatch.setattr(hf_module, "_kept", None)
+
+    def engine(dtype="fp32"):
+        return hf_module.HFEngine(HFEngineConfig(model=str(model), device="cpu", dtype=dtype))
+
+    monkeypatch.delenv(KEEP_MODEL_ENV, raising=False)
+    assert engine().model is not engine().model
+    monkeypatch.setenv(KEEP_MODEL_ENV, "1")
+    first = engine()
+    assert engine().model is first.model and engine().tokenizer is first.tokenizer
+    assert engine("bf16").model is not first.model  # the kept one is replaced, not added
+    again = engine()
+    assert again.model is not first.model and engine().model is again.model
+    (model / "README.md").write_text("a model card written since")
+    assert engine().model is again.model
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert engine().model is not again.model  # new weights in place: loaded again
+
+
 def test_hf_sampling_seed_temperature_and_logprob_convention(hf):
     ids = prompt(hf, "hello")
     a, b, c = run(

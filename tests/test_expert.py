@@ -265,3 +265,44 @@ def test_runs_from_before_the_invalid_turn_option_resume_as_they_ran():
             now = IterateConfig(**base, algorithm=algorithm, ei_invalid_turns=value).identity()
             same = now == config_identity(old)
             assert same == (value == resumes_with or algorithm == "grpo"), (algorithm, value)
+
+
+@pytest.mark.parametrize(("replay", "rounds"), [(1, []), (2, [1]), (0, [0, 1])])
+def test_replay_trains_on_the_kept_games_of_the_latest_rounds(
+    ei_run, primed_model, tmp_path, replay, rounds
+):
+    """--ei-replay N: round 2 trains on its own kept games and those of the rounds before it
+    that N reaches (the earlier rounds' selected.jsonl, as they were kept)."""
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.expert import select_stage
+
+    cfg = IterateConfig(
+        name="replay",
+        iterations=3,
+        model=str(primed_model),
+        engine={"kind": "hf", "model": str(primed_model)},
+        data_root=tmp_path,
+        algorithm="expert-iteration",
+        ei_top_k=2,
+        ei_min_reward=0.1,
+        ei_replay=replay,
+    )
+    games = list(iter_game_records(ei_run / "data" / "ei" / "round_0" / "games.jsonl"))
+    earlier = {0: games[:2], 1: games[2:5]}  # what rounds 0 and 1 kept, renamed as theirs
+    for j, kept in earlier.items():
+        cfg.round_dir(j).mkdir(parents=True)
+        lines = [
+            g.model_copy(update={"game_id": f"r{j}-{g.game_id}"}).model_dump_json() for g in kept
+        ]
+        (cfg.round_dir(j) / "selected.jsonl").write_text("".join(f"{x}\n" for x in lines))
+    cfg.round_dir(2).mkdir()
+    (cfg.round_dir(2) / "games.jsonl").write_text(
+        "".join(g.model_dump_json() + "\n" for g in games)
+    )
+    record = select_stage(cfg, 2, str(primed_model), {})
+    want = [f"r{j}-{g.game_id}" for j in rounds for g in earlier[j]]
+    want += [g.game_id for g in select_games(games, 2, 0.1)]
+    rows = pq.read_table(record.artifacts["train"]).to_pylist()
+    assert sorted({r["game_id"] for r in rows}) == sorted(want)
+    assert record.info["games_replayed"] == len(want) - record.info["games_kept"]
+    assert record.info["rows_train"] == len(rows) == 2 * len(want)  # self-play: both seats

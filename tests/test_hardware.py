@@ -26,6 +26,7 @@ def cpu(monkeypatch, tmp_path):
             path.write_text(text)
         monkeypatch.setattr(hardware, "CPUINFO", path)
         monkeypatch.delenv(hardware.OVERRIDE_ENV, raising=False)
+        monkeypatch.delenv(hardware.ONEDNN_ISA_ENV, raising=False)
         hardware.cpu_has_native_bf16.cache_clear()
 
     yield use
@@ -43,6 +44,17 @@ def test_auto_is_bf16_only_on_a_cpu_with_native_bf16(cpu, cpuinfo, expected):
     # the trainer and the hf engine follow the same rule
     train = TrainConfig(data="d.parquet", model="m", out="o")
     assert train.dtype == "auto" and train.param_dtype == expected
+
+
+@pytest.mark.parametrize(
+    ("cap", "expected"),
+    [("AVX2", "fp32"), ("avx512_core", "fp32"), ("AVX512_CORE_BF16", "bf16"), ("ALL", "bf16")],
+)
+def test_a_onednn_isa_cap_below_bf16_picks_fp32(cpu, monkeypatch, cap, expected):
+    """oneDNN capped below its bf16 instructions emulates bf16 (an AVX2-only machine's case)."""
+    cpu(SAPPHIRE)
+    monkeypatch.setenv(hardware.ONEDNN_ISA_ENV, cap)
+    assert hardware.resolve_dtype("auto", "cpu") == expected
 
 
 def test_an_explicit_dtype_wins_over_the_rule(cpu):

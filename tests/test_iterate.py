@@ -136,7 +136,8 @@ def _snapshot(root: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def reference_run(primed_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("iterate_ref")
-    _run(_cmd(root, primed_model, "ref"))
+    res = _run(_cmd(root, primed_model, "ref"))
+    (root / "iterate.log").write_text(res.stderr)
     return root
 
 
@@ -209,6 +210,46 @@ def test_training_runs_in_a_fresh_process_with_all_threads(reference_run):
     manifest = json.loads((reference_run / "data" / "ref" / "manifest.json").read_text())
     peaks = [r["stages"]["train"]["info"]["peak_rss_mb"] for r in manifest["rounds"].values()]
     assert all(p > 0 for p in peaks) and max(peaks) <= 1.1 * min(peaks)
+
+
+def test_stage_child_runs_consecutive_stages_in_one_process_each_with_its_own_peak():
+    from selfplay.iterate.child import StageChild
+
+    with StageChild() as child:
+        (pid, keep), big = child.run(_allocate, 400)
+        assert keep == "1"  # the hf engine keeps its last model in a stage child
+        (same, _), small = child.run(_allocate, 0)
+        assert same == pid != os.getpid()
+        assert big > 400 and small < big - 300  # each call's own peak, not the process's
+        with pytest.raises(ZeroDivisionError):
+            child.run(_divide_by_zero)
+        # a failed stage ends the child: the next one starts fresh
+        (fresh, _), _ = child.run(_allocate, 0)
+        assert fresh != pid
+    assert child._pool is None
+
+
+def _allocate(mib: int) -> tuple[int, str | None]:
+    from selfplay.engines import KEEP_MODEL_ENV
+
+    block = bytearray(mib * 2**20)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
+    return os.getpid(), os.environ.get(KEEP_MODEL_ENV)
+
+
+def _divide_by_zero() -> float:
+    return 1 / 0
+
+
+def test_heldout_evaluation_and_the_next_generate_share_one_model_load(reference_run, primed_model):
+    """The held-out evaluation of the model a round starts from and the round's generate run in
+    one child, which loads the model once: round 0 (the initial model) and round 1 (round 0's
+    checkpoint); the last evaluation has no generate after it."""
+    log = (reference_run / "iterate.log").read_text()
+    reused = [line for line in log.splitlines() if "reusing the model" in line]
+    ckpt0 = reference_run / "checkpoints" / "ref" / "round_0"
+    assert len(reused) == 2, log[-3000:]
+    assert f"model {primed_model} loaded" in reused[0] and f"model {ckpt0} loaded" in reused[1]
 
 
 def test_kill_anywhere_then_resume_matches_uninterrupted(reference_run, primed_model, tmp_path):

@@ -27,6 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from selfplay.errors import EngineFailure
 from selfplay.hardware import ComputeDtype
 
+# Set (to 1) in a process that runs one stage after another with the same weights (iterate's stage
+# child): the hf engine then keeps the last model it loaded for the next engine of those weights.
+KEEP_MODEL_ENV = "SELFPLAY_KEEP_MODEL"
+
 FinishReason = Literal["stop", "length", "abort"]
 
 __all__ = [

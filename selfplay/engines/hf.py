@@ -40,6 +40,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -53,6 +54,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from selfplay.engines import (
+    KEEP_MODEL_ENV,
     EngineRequestError,
     Generation,
     GenerationRequest,
@@ -67,6 +69,43 @@ log = logging.getLogger(__name__)
 # if that spares the others fewer padded positions.
 MIN_SHARED_PREFIX = 32
 MIN_SPARED_SLOTS = 512
+
+
+# the last model loaded, kept where KEEP_MODEL_ENV is set (a held-out evaluation and the next
+# round's generate in iterate's stage child load it once)
+_kept: tuple[tuple, object, object] | None = None  # (key, model, tokenizer)
+
+
+def _weights_key(path: str, dtype: torch.dtype) -> tuple:
+    """What identifies a model's weights: its path, the dtype and, for a local folder, the
+    files' sizes and modification times (a folder rewritten in place is loaded again); the model
+    card (README.md, which a held-out evaluation annotates) does not count."""
+    folder = Path(path)
+    files = sorted(f for f in folder.iterdir() if f.suffix != ".md") if folder.is_dir() else []
+    return path, dtype, tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+def _load(path: str, dtype: torch.dtype, tokenizer):
+    """The model (and tokenizer, unless given) at ``path`` in ``dtype``; in a stage child the
+    last one loaded is kept for the next engine of the same weights."""
+    global _kept
+    keep = os.environ.get(KEEP_MODEL_ENV) == "1"
+    key = _weights_key(path, dtype) if keep else None
+    if _kept is not None and _kept[0] == key:
+        log.info("reusing the model %s loaded by an earlier stage in this process", path)
+        return _kept[1], tokenizer or _kept[2]
+    _kept = None  # the old model goes before the new one loads
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # OSError, a corrupt safetensors file, a bad config.json
+        raise RuntimeError(
+            f"cannot load model {path!r}: {type(e).__name__}: {e}. Pass a local "
+            "Hugging Face model directory or an HF model id this machine can download."
+        ) from e
+    if keep:
+        _kept = (key, model, tokenizer)
+    return model, tokenizer
 
 
 class HFEngine:
@@ -84,15 +123,9 @@ class HFEngine:
         # auto: bf16 where the device computes it natively (selfplay.hardware)
         self.dtype = resolve_dtype(config.dtype, str(self.device))
         dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         if model is None:
-            try:
-                model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
-            except Exception as e:  # OSError, a corrupt safetensors file, a bad config.json
-                raise RuntimeError(
-                    f"cannot load model {config.model!r}: {type(e).__name__}: {e}. Pass a local "
-                    "Hugging Face model directory or an HF model id this machine can download."
-                ) from e
+            model, tokenizer = _load(config.model, dtype, tokenizer)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         self.model = model.to(self.device).eval()
         if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(_grouped_sdpa())

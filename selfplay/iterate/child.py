@@ -12,6 +12,7 @@ into its folder beside a re-run.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -126,48 +127,93 @@ def _watch_parent(parent: int, poll_s: float = 0.5) -> None:
 def _child_start(level: int, parent: int) -> None:
     _child_logging(level)
     _watch_parent(parent)
+    from selfplay.engines import KEEP_MODEL_ENV
+
+    os.environ[KEEP_MODEL_ENV] = "1"  # a held-out evaluation and generate share one model load
 
 
 def _measured(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    import resource
-
+    """``fn(*args)`` and the peak resident memory (MiB) of this call: the process's high-water
+    mark is reset first where Linux allows it, so a child that runs several stages reports each
+    stage's own peak (elsewhere: the process's peak so far)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM
     result = fn(*args)
-    return result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    peak = _status_mb("VmHWM")
+    if peak is None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    return result, peak
 
 
-def isolated(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """``fn(*args)`` in a fresh (spawned) child process; its result or its exception comes back.
+class StageChild:
+    """A fresh (spawned) child process for one stage or a few consecutive ones.
 
     A stage's memory (models, KV caches, allocator arenas) is returned to the system when the
     child exits, so a run's memory does not grow round by round, and process-wide settings a
-    stage makes (torch's thread count, the process group) end with it. Returns the result and
-    the child's peak resident memory in MiB.
+    stage makes (torch's thread count, the process group) end with it. Consecutive stages that
+    play with the same model (a held-out evaluation, then the next round's generate) may share a
+    child: the imports and the model load (the hf engine keeps the last model it loaded in a
+    stage child) are paid once. The process starts at the first ``run`` and ends at ``close``, or
+    at once when a stage fails or is interrupted.
     """
-    level = logging.getLogger().getEffectiveLevel()
-    pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=1,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_child_start,
-        initargs=(level, os.getpid()),
-    )
-    try:
-        return pool.submit(_measured, fn, *args).result()
-    except BaseException:
-        # interrupted (Ctrl-C, SIGTERM) or failed: the child must not finish the stage alone
-        for process in list(getattr(pool, "_processes", {}).values()):
-            if process.is_alive():
-                process.terminate()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """``fn(*args)`` in the child; its result (or its exception, re-raised here) and the
+        call's peak resident memory in MiB."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_child_start,
+                initargs=(logging.getLogger().getEffectiveLevel(), os.getpid()),
+            )
+        try:
+            return self._pool.submit(_measured, fn, *args).result()
+        except BaseException:
+            # interrupted (Ctrl-C, SIGTERM) or failed: the child must not finish the stage alone
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                if process.is_alive():
+                    process.terminate()
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the child (a no-op when none runs); the next ``run`` starts a fresh one."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> StageChild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _rss_mb() -> float | None:
-    """This process's resident memory now, in MiB (Linux; None elsewhere)."""
+def isolated(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` in a child process of its own (``StageChild``); its result and the child's
+    peak resident memory in MiB."""
+    with StageChild() as child:
+        return child.run(fn, *args)
+
+
+def _status_mb(key: str) -> float | None:
+    """A memory figure of this process (``VmRSS``: now, ``VmHWM``: its peak) in MiB, from
+    /proc/self/status (Linux; None elsewhere)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory now, in MiB (Linux; None elsewhere)."""
+    return _status_mb("VmRSS")

@@ -101,6 +101,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     ei_min_reward: float = Field(
         0.5, description="expert-iteration: a kept game's reward is at least this."
     )
+    ei_replay: int = Field(
+        1,
+        ge=0,
+        description="expert-iteration: train on the kept games of this many latest rounds, this "
+        "one included (1: this round's only; 0: every round so far; ReST's growing dataset).",
+    )
     ei_invalid_turns: Literal["skip", "train"] = Field(
         "skip",
         description="expert-iteration: the kept games' turns the rules refused (a kept game "
@@ -259,6 +265,7 @@ ADDED_LATER = {
     "ei_top_k": 1,
     "ei_min_reward": 0.5,
     "ei_invalid_turns": "train",  # runs before it cloned every turn of a kept game
+    "ei_replay": 1,
     "warm_start_partner": "self",
     "guide": None,
     "guide_games": 2,
@@ -292,7 +299,8 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dump (new or from a manifest) that a resume must keep."""
     out = {k: v for k, v in dump.items() if k not in RESUMABLE}
     if out.get("algorithm", "grpo") != "expert-iteration":
-        out.pop("ei_invalid_turns", None)  # only expert iteration reads it
+        out.pop("ei_invalid_turns", None)  # only expert iteration reads them
+        out.pop("ei_replay", None)
     for name, old in ADDED_LATER.items():
         if out.get(name, old) == old:
             out.pop(name, None)

@@ -20,6 +20,11 @@ games then hold more of them (measured: 5 of 32 of the model's kept turns in ``a
 default) the rows keep those turns as context with loss mask 0 (``without_invalid_turns``):
 what is cloned is the kept games' valid moves.
 
+With ``ei_replay`` N > 1 (0: every round) a round trains on the kept games of the N latest rounds,
+itself included (each earlier round's ``selected.jsonl``, under the same invalid-turn rule), as
+ReST grows its dataset: a round keeps tens of games, and cloning only those moves the model by
+about what one round's noise does.
+
 The round's stages keep their names (generate, convert, train) so resume, metrics and the report
 read an expert-iteration run as any other: the ``convert`` stage writes ``round_K/selected.jsonl``
 (the kept games, byte for byte as generate wrote them) and ``round_K/train.parquet`` (their
@@ -123,14 +128,20 @@ def select_stage(
         out=rdir,
         **cfg.model_dump(include=set(ConvertOptions.model_fields)),
     )
-    cloned, skipped = kept, 0
+    replayed = [
+        r
+        for j in range(0 if cfg.ei_replay == 0 else max(0, k - cfg.ei_replay + 1), k)
+        for r in iter_game_records(cfg.round_dir(j) / "selected.jsonl")
+    ]
+    cloned, skipped = [*replayed, *kept], 0
     if cfg.ei_invalid_turns == "skip":
-        cleaned = [without_invalid_turns(r) for r in kept]
+        cleaned = [without_invalid_turns(r) for r in cloned]
         cloned, skipped = [r for r, _ in cleaned], sum(n for _, n in cleaned)
     table, counts = rows_table(cloned, cut)
     info = {
         "games": len(games),
         "games_kept": len(kept),
+        "games_replayed": len(replayed),
         "scenarios": len({r.scenario_id for r in games}),
         "reward_mean_all": _mean(r.reward for r in games),
         "reward_mean_kept": _mean(r.reward for r in kept),
@@ -140,7 +151,8 @@ def select_stage(
     }
     log.info(
         "round %d: kept %d of %d games (top %d per scenario, reward >= %s): mean reward %.3f "
-        "of all, %.3f of the kept; %d rows (%d invalid turns not cloned)",
+        "of all, %.3f of the kept; with %d kept in earlier rounds, %d rows (%d invalid turns "
+        "not cloned)",
         k,
         len(kept),
         len(games),
@@ -148,6 +160,7 @@ def select_stage(
         cfg.ei_min_reward,
         info["reward_mean_all"] or 0.0,
         info["reward_mean_kept"] or 0.0,
+        len(replayed),
         table.num_rows,
         skipped,
     )

@@ -12,7 +12,7 @@ import numpy as np
 
 from selfplay.game import get_game
 from selfplay.generate.config import PlayOptions
-from selfplay.iterate.child import _hold, isolated
+from selfplay.iterate.child import StageChild, _hold, isolated
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.manifest import Manifest, StageRecord
 from selfplay.metrics import HeldOut
@@ -123,12 +123,17 @@ def _heldout_eval(
 
 
 def heldout_stage(
-    cfg: IterateConfig, k: int | None, model: str, manifest: Manifest
+    cfg: IterateConfig,
+    k: int | None,
+    model: str,
+    manifest: Manifest,
+    child: StageChild | None = None,
 ) -> tuple[HeldOut, dict[str, HeldOut]] | None:
     """The held-out result of ``model`` after ``k`` rounds (None: the initial model, before the
     warm start) and the baselines when the run has none yet; None when there is nothing to do
     (no held-out scenarios, or already evaluated). A model that a skipped round carried forward
-    keeps its result."""
+    keeps its result. Runs in ``child`` when given (the loop's child, kept for the next round's
+    generate with the same model), else in a child of its own."""
     held = manifest.heldout
     if cfg.eval_scenarios == 0 or (k in held if k is not None else manifest.heldout_initial):
         return None
@@ -136,7 +141,8 @@ def heldout_stage(
         return held[k - 1], {}
     log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
     out = cfg.run_dir / "eval" / ("initial" if k is None else f"after_{k}_rounds")
-    (result, base), _ = isolated(_heldout_eval, cfg, model, out, not manifest.baselines)
+    args = (_heldout_eval, cfg, model, out, not manifest.baselines)
+    (result, base), _ = child.run(*args) if child is not None else isolated(*args)
     if k is None:
         return result, base
     from selfplay.train.model_card import add_heldout

@@ -12,9 +12,11 @@ Layout of a run named RUN:
     checkpoints/RUN/warm_start/       the warm start (SFT) before round 0, when asked for
     checkpoints/RUN/round_K/          train: the HF model of round K+1 (and verl's checkpoint)
 
-The heavy stages (warm start, evaluation, generate, train) run in a fresh child process each, so
-the loop's own memory stays flat across rounds and no stage inherits another's torch settings
-(the hf engine sets torch's thread count; the trainer must not run on what it left).
+The heavy stages (warm start, evaluation, generate, train) run in child processes, so the loop's
+own memory stays flat across rounds and no stage inherits another's torch settings (the hf engine
+sets torch's thread count; the trainer must not run on what it left). The one exception: a
+model's held-out evaluation and the next round's generate, which play with the same weights,
+share one child (one start, one model load); it ends before the round trains.
 
 Each stage is recorded in the manifest only after it finished, and the manifest is replaced
 atomically, so a kill at any point resumes at the first unfinished stage: generate keeps its
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from selfplay.fileio import folder_lock
-from selfplay.iterate.child import Generate, _default_generate
+from selfplay.iterate.child import Generate, StageChild, _default_generate
 from selfplay.iterate.config import IterateConfig
 from selfplay.iterate.heldout import heldout_stage, warm_start_stage
 from selfplay.iterate.resume import Run
@@ -58,25 +60,33 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
         model = run.manifest.warm_start.artifacts["model"]
     else:
         model = config.model
-    with open_tracker(
-        config.loggers,
-        project="selfplay",
-        name=config.name,
-        run_dir=config.run_dir,
-        config=config.model_dump(mode="json"),
-    ) as tracker:
+    # the held-out evaluation of a model and the next round's generate with it share a child
+    # process (one start, one model load); generate closes it before the round trains
+    child = StageChild()
+    with (
+        child,
+        open_tracker(
+            config.loggers,
+            project="selfplay",
+            name=config.name,
+            run_dir=config.run_dir,
+            config=config.model_dump(mode="json"),
+        ) as tracker,
+    ):
         for k in range(config.iterations):
-            if (held := heldout_stage(config, k, model, run.manifest)) is not None:
+            if (held := heldout_stage(config, k, model, run.manifest, child)) is not None:
                 run.record_heldout(k, *held)
             rnd = run.start_round(k, model)
-            for name, stage in stages(config, generate):
+            if "generate" in rnd.stages:  # resumed after its games: nothing to share the child
+                child.close()
+            for name, stage in stages(config, generate, child):
                 if name not in rnd.stages:
                     run.record(k, name, stage(config, k, model, rnd.stages))
             prune_checkpoints(config, run.manifest)
             if rnd.metrics is None:
                 run.record_round_metrics(k, round_metrics(rnd, config.round_dir(k) / "games.jsonl"))
             model = next_model(rnd)
-            if (held := heldout_stage(config, k + 1, model, run.manifest)) is not None:
+            if (held := heldout_stage(config, k + 1, model, run.manifest, child)) is not None:
                 run.record_heldout(k + 1, *held)
             if tracker is not None:
                 track_round(run, tracker, k)

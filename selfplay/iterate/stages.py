@@ -14,7 +14,7 @@ import numpy as np
 from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
 from selfplay.engines import ServerEngineConfig
 from selfplay.generate.config import GenerateConfig, GenerateOptions
-from selfplay.iterate.child import Generate, _default_generate, _hold, isolated
+from selfplay.iterate.child import Generate, StageChild, _default_generate, _hold, isolated
 from selfplay.iterate.config import IterateConfig
 from selfplay.manifest import Manifest, RoundRecord, StageRecord
 from selfplay.train.config import TrainConfig, TrainerOptions
@@ -48,8 +48,11 @@ def generate_stage(
     model: str,
     done: dict[str, StageRecord],
     generate: Generate = _default_generate,
+    child: StageChild | None = None,
 ) -> StageRecord:
-    """Round ``k``'s games with ``model`` (resumes game by game), in a child process."""
+    """Round ``k``'s games with ``model`` (resumes game by game), in a child process: ``child``
+    when given (the one the held-out evaluation of ``model`` ran in; closed here once the games
+    are done, so that it holds no memory through train), else one of its own."""
     started = time.time()
     rdir = cfg.round_dir(k)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -72,10 +75,11 @@ def generate_stage(
     )
     log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
     info = {}
-    if generate is _default_generate:
-        _, info["peak_rss_mb"] = isolated(generate, gen_cfg, engine_cfg)
-    else:  # a caller's own function (tests) runs here
-        generate(gen_cfg, engine_cfg)
+    with child or StageChild() as run_in:
+        if generate is _default_generate:
+            _, info["peak_rss_mb"] = run_in.run(generate, gen_cfg, engine_cfg)
+        else:  # a caller's own function (tests) runs here
+            generate(gen_cfg, engine_cfg)
     return StageRecord.since(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
 
 
@@ -164,16 +168,17 @@ Stage = Callable[[IterateConfig, int, str, dict[str, StageRecord]], StageRecord]
 
 
 def stages(
-    cfg: IterateConfig, generate: Generate = _default_generate
+    cfg: IterateConfig, generate: Generate = _default_generate, child: StageChild | None = None
 ) -> tuple[tuple[str, Stage], ...]:
     """A round's stages in order: each takes (config, round, model, the round's finished
     stages) and returns its record; the loop records it (and nothing else writes the manifest).
-    Expert iteration's convert keeps the best games (``expert.select_stage``)."""
+    Generate runs in ``child`` when given (see ``generate_stage``). Expert iteration's convert
+    keeps the best games (``expert.select_stage``)."""
     from selfplay.iterate.expert import select_stage
 
     expert = cfg.algorithm == "expert-iteration"
     return (
-        ("generate", functools.partial(generate_stage, generate=generate)),
+        ("generate", functools.partial(generate_stage, generate=generate, child=child)),
         ("convert", select_stage if expert else convert_stage),
         ("train", train_stage),
     )
