@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-grpo shy ask ask4 ask-guided bench
+.PHONY: setup test lint demo learn learn-replay learn-grpo shy ask ask4 ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables: a warm start (behaviour cloning of the
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
@@ -18,6 +18,15 @@ LEARN_ARGS ?= --name learn --table-size 3 --warm-start scripted:cooperative:24 \
 	--iterations 3 --games-per-iter 64 --games-per-scenario 4 --temperature 1.0 \
 	--max-new-tokens 64 --max-actions 10 --lr 5e-5 --epochs-per-iter 2 --updates-per-round 4 \
 	--eval-scenarios 48 --micro-batch-size 4
+
+# Expert iteration that keeps what it learns (at most an hour): 128 games a round on 32 scenarios,
+# only near-optimal games kept (reward >= 0.9), and every round trains on the kept games of all
+# rounds so far (--ei-replay 0, ReST's growing dataset); 96 held-out scenarios. README, "Learning".
+LEARN_REPLAY_ARGS ?= --name learn-replay --table-size 3 --warm-start scripted:cooperative:24 \
+	--warm-start-lr 2e-4 --algorithm expert-iteration --ei-top-k 1 --ei-min-reward 0.9 \
+	--ei-replay 0 --iterations 4 --games-per-iter 128 --games-per-scenario 4 --temperature 1.0 \
+	--max-new-tokens 64 --max-actions 10 --lr 1e-4 --epochs-per-iter 1 --mini-batch-size 8 \
+	--eval-scenarios 96 --micro-batch-size 4
 
 # The same with GRPO (the earlier `make learn`, now on 48 held-out scenarios): every game of a
 # round, lr 5e-6, 4 updates a round.
@@ -85,6 +94,9 @@ demo: setup
 
 learn: setup
 	.venv/bin/selfplay iterate $(LEARN_ARGS)
+
+learn-replay: setup
+	.venv/bin/selfplay iterate $(LEARN_REPLAY_ARGS)
 
 learn-grpo: setup
 	.venv/bin/selfplay iterate $(LEARN_GRPO_ARGS)

@@ -288,11 +288,13 @@ def test_replay_trains_on_the_kept_games_of_the_latest_rounds(
         ei_replay=replay,
     )
     games = list(iter_game_records(ei_run / "data" / "ei" / "round_0" / "games.jsonl"))
-    earlier = {0: games[:2], 1: games[2:5]}  # what rounds 0 and 1 kept, renamed as theirs
-    for j, kept in earlier.items():
+    kept = select_games(games, 2, 0.1)
+    assert len(kept) >= 3
+    earlier = {0: kept[:1], 1: kept[1:3]}  # what rounds 0 and 1 kept, renamed as theirs
+    for j, theirs in earlier.items():
         cfg.round_dir(j).mkdir(parents=True)
         lines = [
-            g.model_copy(update={"game_id": f"r{j}-{g.game_id}"}).model_dump_json() for g in kept
+            g.model_copy(update={"game_id": f"r{j}-{g.game_id}"}).model_dump_json() for g in theirs
         ]
         (cfg.round_dir(j) / "selected.jsonl").write_text("".join(f"{x}\n" for x in lines))
     cfg.round_dir(2).mkdir()
@@ -301,7 +303,7 @@ def test_replay_trains_on_the_kept_games_of_the_latest_rounds(
     )
     record = select_stage(cfg, 2, str(primed_model), {})
     want = [f"r{j}-{g.game_id}" for j in rounds for g in earlier[j]]
-    want += [g.game_id for g in select_games(games, 2, 0.1)]
+    want += [g.game_id for g in kept]
     rows = pq.read_table(record.artifacts["train"]).to_pylist()
     assert sorted({r["game_id"] for r in rows}) == sorted(want)
     assert record.info["games_replayed"] == len(want) - record.info["games_kept"]
