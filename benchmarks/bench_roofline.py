@@ -14,9 +14,17 @@ that follows, and (optionally) the measured tokens/s of the real stages against 
 3. --stages (minutes): tokens/s of the real stages on the embedded SmolLM2-135M, as a ratio of the
    limit (target 0.6): generate (hf engine, 64 games as a `make learn` round, prompt tokens
    prefilled + generated tokens: KV the engine reuses is not counted, so sparing prefill can
-   lower this rate while games/s rise; games/s are in the notes), SFT
+   lower this rate while games/s rise; games/s are in the notes), with a second, decode-aware
+   limit beside it (below), SFT
    (benchmarks/bench_sft.py, verl) and the train update (benchmarks/bench_train.py, verl). They
    run in --dtype, or with --dtype both in the dtype `resolve_dtype("auto", "cpu")` picks.
+
+The decode-aware generate limit: a decoding step computes one token per row but reads every
+weight and each row's KV cache, so its time is at least max(FLOPs / FLOP rate, bytes / memory
+bandwidth). The bandwidth is measured here (torch sum over a 1 GiB tensor); the engine counts its
+decoding steps, rows and KV positions read; the stage's least time is prefill FLOPs / rate +
+max(decode FLOPs / rate, (steps x weight bytes + KV positions x KV bytes) / bandwidth), summed over
+the run (a bound no schedule of the same passes beats), and the limit is its tokens / that time.
 
 Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
      [--tokens 512] [--repeats 10] [--stages]
@@ -78,6 +86,32 @@ def effective_gflops(rates: dict[str, float]) -> float:
     return FWD_FLOPS_PER_TOKEN / seconds
 
 
+def read_gbs(repeats: int = 5) -> float:
+    """Memory read bandwidth in GB/s: the median time of summing a 1 GiB fp32 tensor."""
+    x = torch.ones(2**28)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times[1:]) / 1e9
+
+
+def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
+    """The least time the engine's passes take on this machine (module docstring)."""
+    model = engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    rate = gflops * 1e9
+    prefill = engine.prefilled_tokens * FWD_FLOPS_PER_TOKEN / rate
+    compute = engine.decode_rows * FWD_FLOPS_PER_TOKEN / rate
+    memory = (engine.decode_steps * weight_bytes + engine.decode_kv_slots * kv_bytes) / (gbs * 1e9)
+    return prefill + max(compute, memory)
+
+
 def limit_tokens_per_s(gflops: float, factor: int) -> float:
     return gflops * 1e9 / (FWD_FLOPS_PER_TOKEN * factor)
 
@@ -89,8 +123,11 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def stage_generate(model: str, dtype: str, tmp: Path) -> tuple[float, str]:
-    """tokens/s through the model (prefilled prompt tokens + generated tokens) of a short run."""
+def stage_generate(
+    model: str, dtype: str, tmp: Path, gflops: float, gbs: float
+) -> tuple[float, str, float]:
+    """tokens/s through the model (prefilled prompt tokens + generated tokens) of a short run,
+    a note, and the decode-aware limit of those passes in tokens/s."""
     from bench_generate import play_hf  # (this folder: sys.path[0] when run as a script)
 
     from selfplay.engines import HFEngineConfig
@@ -103,12 +140,14 @@ def stage_generate(model: str, dtype: str, tmp: Path) -> tuple[float, str]:
     )  # fmt: skip
     st, engine = play_hf(cfg, HFEngineConfig(model=model, device="cpu", dtype=dtype))
     tokens = engine.prefilled_tokens + engine.generated_tokens
+    least = decode_aware_seconds(engine, gflops, gbs)
     note = (
         f"{engine.prefilled_tokens} prefilled + {engine.generated_tokens} generated tokens, "
         f"{st.played} games in {st.seconds:.1f} s ({st.played / st.seconds:.2f} games/s), "
-        f"{torch.get_num_threads()} engine threads"
+        f"{torch.get_num_threads()} engine threads; {engine.decode_steps} decoding steps of "
+        f"{engine.decode_rows / max(1, engine.decode_steps):.1f} rows, least time {least:.1f} s"
     )
-    return tokens / st.seconds, note
+    return tokens / st.seconds, note, tokens / least
 
 
 def stage_script(cmd: list[str], pattern: str) -> float | None:
@@ -121,7 +160,7 @@ def stage_script(cmd: list[str], pattern: str) -> float | None:
     return float(match.group(1).replace(",", ""))
 
 
-def run_stages(dtype: str, gflops: float) -> Table:
+def run_stages(dtype: str, gflops: float, gbs: float) -> Table:
     from selfplay.models import embedded_model_dir
 
     model = str(embedded_model_dir())
@@ -129,7 +168,7 @@ def run_stages(dtype: str, gflops: float) -> Table:
     for col in ("stage", "tokens/s", "limit tokens/s", "measured / limit", "target", "notes"):
         table.add_column(col, justify="left" if col in ("stage", "notes") else "right")
     with tempfile.TemporaryDirectory(prefix="bench_roofline_") as tmp:
-        gen, note = stage_generate(model, dtype, Path(tmp))
+        gen, note, gen_limit = stage_generate(model, dtype, Path(tmp), gflops, gbs)
     sft = stage_script(
         ["benchmarks/bench_sft.py", "--rows", "8", "--only", f"verl-{dtype}"],
         rf"verl-{dtype}: (\d+) tokens/s",
@@ -139,14 +178,15 @@ def run_stages(dtype: str, gflops: float) -> Table:
          "--repeats", "1", "--dtype", dtype],
         r"\| verl update \(selfplay\) \| [\d.]+ \| ([\d,]+) \|",
     )  # fmt: skip
+    fwd, fwd_bwd = (limit_tokens_per_s(gflops, FACTORS[s]) for s in ("generate", "SFT step"))
     rows = [
-        ("generate (hf engine)", gen, FACTORS["generate"], note),
-        ("SFT step (verl)", sft, FACTORS["SFT step"], "bench_sft.py --rows 8"),
+        ("generate (hf engine)", gen, fwd, note),
+        ("generate, decode-aware limit", gen, gen_limit, f"read bandwidth {gbs:.1f} GB/s"),
+        ("SFT step (verl)", sft, fwd_bwd, "bench_sft.py --rows 8"),
         # bench_train times the update only (forward + backward): old log-probs are not timed
-        ("train update (verl)", train, FACTORS["SFT step"], "bench_train.py --rows 8, fwd+bwd"),
+        ("train update (verl)", train, fwd_bwd, "bench_train.py --rows 8, fwd+bwd"),
     ]
-    for name, measured, factor, note in rows:
-        limit = limit_tokens_per_s(gflops, factor)
+    for name, measured, limit, note in rows:
         if measured is None:
             table.add_row(name, "failed", f"{limit:,.0f}", "-", f"{TARGET}", f"see {note}")
         else:
@@ -209,9 +249,11 @@ def main() -> None:
         limits.add_row(stage, f"{factor}x forward", *cells)
     console.print(limits)
 
+    gbs = read_gbs()
+    console.print(f"memory read bandwidth: {gbs:.1f} GB/s (sum over a 1 GiB tensor)")
     if args.stages:
         dtype = resolve_dtype("auto", "cpu") if args.dtype == "both" else args.dtype
-        console.print(run_stages(dtype, effective[dtype]))
+        console.print(run_stages(dtype, effective[dtype], gbs))
     else:
         console.print("stages not run (--stages); see also bench_sft.py / bench_train.py")
 

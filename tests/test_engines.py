@@ -401,6 +401,19 @@ def test_hf_engine_keeps_its_last_model_only_in_a_stage_child(tiny_model, tmp_pa
     assert engine().model is not again.model  # new weights in place: loaded again
 
 
+def test_hf_counts_its_decoding_steps_rows_and_kv_read(hf):
+    """The counters the roofline benchmark's decode-aware limit reads: one request of M tokens
+    (no stop token) takes M - 1 decoding passes (the first token comes from the prefill), each
+    of one row reading every position so far."""
+    ids = prompt(hf, "count")
+    engine = fresh(hf, prefix_cache_tokens=0)
+    request = GenerationRequest(ids, max_new_tokens=9, stop_token_ids=())
+    (gen,) = run(gather_close(engine, [request]))
+    m, p = len(gen.token_ids), len(ids)
+    assert m == 9 and engine.decode_steps == engine.decode_rows == m - 1
+    assert engine.decode_kv_slots == sum(p + j for j in range(1, m))
+
+
 def test_hf_sampling_seed_temperature_and_logprob_convention(hf):
     ids = prompt(hf, "hello")
     a, b, c = run(

@@ -145,6 +145,8 @@ class HFEngine:
         self.prefilled_tokens = 0  # prompt tokens fed through the model
         self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
         self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
+        # decoding: steps, rows computed (dead ones too) and KV positions read (rows x width)
+        self.decode_steps = self.decode_rows = self.decode_kv_slots = 0
         self._cache_layers = _plain_cache_layers(self.model)
         budget = config.prefix_cache_tokens
         if budget is None:
@@ -214,6 +216,9 @@ class HFEngine:
             run.last_pos = run.last_pos + 1
             if self.max_context is not None:  # a dead row's position may run past the context
                 run.last_pos = run.last_pos.clamp(max=self.max_context - 1)
+            self.decode_steps += 1
+            self.decode_rows += run.attn.shape[0]
+            self.decode_kv_slots += run.attn.numel()
             out = self.model(
                 input_ids=run.tok[:, None],
                 attention_mask=run.attn,
