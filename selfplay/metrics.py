@@ -52,6 +52,9 @@ class GameSummary(BaseModel):
     mean_words: float = NAN  # words of valid [message] turns per game
     invalid_action_rate: float = NAN  # invalid actions / all actions
     optimal_rate: float = NAN  # accepted at reward 1 (matching: the best assignment's score)
+    # of the games with a valid proposal, the share whose first one is the most common first one:
+    # over distinct scenarios near 1 means a proposal that ignores the scenario (a fixed answer)
+    same_proposal_share: float = NAN
     questions_per_game: float = NAN  # both seats, direct and general
     direct_questions_per_game: float = NAN  # about one item (matching: a reviewer and a paper)
     general_questions_per_game: float = NAN
@@ -80,6 +83,7 @@ class Summary:
         self._words: list[int] = []
         self._invalid: list[int] = []
         self._optimal: list[bool] = []
+        self._first_proposals: Counter[str] = Counter()
         self._qcounts: list[dict[str, int]] = []
         self._outcomes: Counter[str] = Counter()
 
@@ -91,6 +95,9 @@ class Summary:
         self._invalid.append(r.counts.get("invalid", sum(not a.valid for a in r.actions)))
         self._optimal.append(r.outcome == Outcome.ACCEPTED and r.reward >= 1.0)  # the best there is
         self._outcomes[str(r.outcome)] += 1
+        first = next((a.proposal for a in r.actions if a.valid and a.proposal), None)
+        if first is not None:
+            self._first_proposals[repr(sorted(first))] += 1
 
     def result(self) -> GameSummary:
         rewards, actions, outcomes = self._rewards, self._actions, self._outcomes
@@ -108,9 +115,15 @@ class Summary:
             mean_words=float(np.mean(self._words)) if n else math.nan,
             invalid_action_rate=sum(self._invalid) / total_actions if total_actions else 0.0,
             optimal_rate=float(np.mean(self._optimal)) if n else math.nan,
+            same_proposal_share=_modal_share(self._first_proposals),
             **_question_summary(self._qcounts, rewards),
             outcomes=dict(outcomes),
         )
+
+
+def _modal_share(counts: Counter[str]) -> float:
+    total = sum(counts.values())
+    return max(counts.values()) / total if total else math.nan
 
 
 def question_counts(record: GameRecord) -> dict[str, int]:
@@ -179,6 +192,7 @@ class HeldOut(BaseModel):
     direct_questions_per_game: float | None
     general_questions_per_game: float | None
     mean_actions: float | None
+    same_proposal_share: float | None = None  # (GameSummary); None in runs from before it
     outcomes: dict[str, int] = {}
     seconds: float = 0.0
     path: str | None = None  # the evaluation's folder (games/model-model.jsonl, baselines)

@@ -304,3 +304,27 @@ def test_eval_engine_template_gives_each_model_its_engine():
         if name not in {"partner", "policy_seat", "partner_base_url", "partner_key_env",
                         "partner_max_calls"}:  # fmt: skip
             assert field.description, f"EvalConfig.{name} has no description"
+
+
+def test_same_proposal_share_tells_a_fixed_answer_from_one_that_reads_the_scenario():
+    """Scripted cooperative proposes each scenario's best assignment by what both know, so its
+    first proposals differ across scenarios; a record whose every first proposal is the same
+    assignment (what the warm-started SmolLM2 does) scores 1."""
+    from selfplay.evaluate.scripted import play_scripted
+
+    games = play_scripted(MATCHING, ("cooperative", "cooperative"), num_games=24, seed=1, n=3)
+    share = summarize(games).same_proposal_share
+    assert 1 / 6 <= share < 0.6  # 6 assignments on 3x3
+    fixed = [[0, 2], [1, 0], [2, 1]]
+    same = [
+        g.model_copy(
+            update={
+                "actions": [
+                    a.model_copy(update={"proposal": fixed}) if a.proposal else a for a in g.actions
+                ]
+            }
+        )
+        for g in games
+    ]
+    assert summarize(same).same_proposal_share == 1.0
+    assert math.isnan(summarize([]).same_proposal_share)

@@ -237,6 +237,7 @@ class EvalRow(BaseModel):
     mean_words: float | None = None
     invalid_action_rate: float | None = None
     optimal_rate: float | None = None
+    same_proposal_share: float | None = None  # the most common first proposal's share of games
     questions_per_game: float | None = None
     direct_questions_per_game: float | None = None  # naming a reviewer and a paper
     general_questions_per_game: float | None = None

@@ -55,6 +55,7 @@ COLUMNS = (
     "actions",
     "words",
     "invalid rate",
+    "same first proposal",
     "questions/game",
 )
 
@@ -69,6 +70,7 @@ def row_cells(r: EvalRow) -> list[str]:
         _f(r.mean_actions, 1),
         _f(r.mean_words, 1),
         _f(r.invalid_action_rate),
+        _f(r.same_proposal_share, 2),
         _f(r.questions_per_game, 2),
     ]
 

@@ -186,8 +186,9 @@ def _heldout_table(manifest: Manifest) -> list[str]:
             "",
         ]
     md += [
-        "| model | reward [95% CI] | agreement | invalid rate | questions (direct) | actions |",
-        "|---|---|---|---|---|---|",
+        "| model | reward [95% CI] | agreement | invalid rate | questions (direct) | actions "
+        "| same first proposal |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     f = _fmt
@@ -197,7 +198,8 @@ def _heldout_table(manifest: Manifest) -> list[str]:
             f"| {name} | {f(h.reward_mean)} [{f(h.reward_ci_low)}, "
             f"{f(h.reward_ci_high)}] | {f(h.agreement_rate)} "
             f"| {f(h.invalid_action_rate)} | {f(h.questions_per_game, '.2f')} "
-            f"({f(h.direct_questions_per_game, '.2f')}) | {f(h.mean_actions, '.1f')} |"
+            f"({f(h.direct_questions_per_game, '.2f')}) | {f(h.mean_actions, '.1f')} "
+            f"| {f(h.same_proposal_share, '.2f')} |"
         )
 
     if manifest.heldout_initial:
