@@ -42,6 +42,7 @@ ROW_KEYS = {
     "mean_words",
     "invalid_action_rate",
     "optimal_rate",
+    "same_proposal_share",
     "questions_per_game",
     "direct_questions_per_game",
     "general_questions_per_game",

@@ -131,6 +131,7 @@ def scripted_table(pair: ScriptedPair):
         "mean_words",
         "invalid_action_rate",
         "optimal_rate",
+        "same_proposal_share",
         "questions_per_game",
     ):
         table.add_row(key, f"{getattr(summary, key):.4f}")
