@@ -10,9 +10,12 @@
       reload of one checkpoint (an untied copy of SmolLM2: vLLM keeps a tied head stale).
   (e) hf engine, SmolLM2-135M (or --model, e.g. a warm-started checkpoint): the same 64 games
       with 1 torch thread and with every core (the default), one process each.
+  (f) iterate's held-out evaluation (16 greedy games) then a round's generate (16 games) with the
+      same model (--model), each in a child of its own (as before) against both in one child
+      (iterate now: one start, one model load); separate, shared, separate again.
 
-Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d,e] [--latency 0.25,0.5,1.0]
-     [--model M --partner P --table-size N --max-actions A] (e only)
+Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d,e,f] [--latency 0.25,0.5,1.0]
+     [--model M --partner P --table-size N --max-actions A] (e; f takes --model)
 Everything is offline: the tiny model is built into a temporary directory; (d) is not in the
 default parts (it builds the vLLM venv when missing and takes ~10 minutes on 2 cores), nor is
 (e) (SmolLM2 on CPU, 1-3 minutes).
@@ -274,6 +277,45 @@ def part_e(tmp: Path, args) -> list[tuple]:
     return rows
 
 
+def part_f(tmp: Path, args) -> list[tuple]:
+    """A held-out evaluation and the next generate: a child each, or one shared child."""
+    from selfplay.iterate.child import StageChild, isolated
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.heldout import _heldout_eval
+    from selfplay.iterate.stages import generate_stage
+    from selfplay.models import resolve_model
+
+    model = resolve_model(args.model)
+    rows, times = [], {}
+    for i, shared in enumerate((False, True, False)):
+        cfg = IterateConfig(
+            name=f"f{i}", iterations=1, model=model, engine={"kind": "hf", "model": model},
+            data_root=tmp / "data", checkpoint_root=tmp / "ckpt", table_size=3,
+            games_per_iter=16, games_per_scenario=4, eval_scenarios=16, max_actions=10,
+            sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
+        )  # fmt: skip
+        start = time.perf_counter()
+        child = StageChild() if shared else None
+        job = (_heldout_eval, cfg, model, tmp / f"eval{i}", False)
+        (held, _), _ = child.run(*job) if child else isolated(*job)
+        evaluated = time.perf_counter()
+        generate_stage(cfg, 0, model, {}, child=child)
+        end = time.perf_counter()
+        label = "one shared child" if shared else "a child each"
+        times.setdefault(label, []).append(end - start)
+        rows.append((
+            f"(f) held-out eval + generate, {label}",
+            f"{Path(model).name}, 16 + 16 games, 3x3",
+            f"{end - start:.1f} s (eval {evaluated - start:.1f} s, generate "
+            f"{end - evaluated:.1f} s), held-out reward {held.reward_mean:.3f}",
+            "",
+            "",
+        ))  # fmt: skip
+    each, one = min(times["a child each"]), times["one shared child"][0]
+    rows[1] = (*rows[1][:3], f"{each - one:+.1f} s against the faster separate run", "")
+    return rows
+
+
 def play_hf(cfg: GenerateConfig, engine_config):
     """Play ``cfg``'s games on an hf engine opened here: (run stats, the engine, for its
     prefilled / generated token counts)."""
@@ -355,6 +397,8 @@ def main() -> None:
             rows += part_d(tmp)
         if "e" in parts:
             rows += part_e(tmp, args)
+        if "f" in parts:
+            rows += part_f(tmp, args)
     table = Table(title="selfplay generate benchmark")
     for col in ("benchmark", "setting", "measured", "result", "target"):
         table.add_column(col)
