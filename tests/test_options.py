@@ -273,7 +273,8 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
         "max_length",
         "keep_degenerate", "invalid_penalty", "train", "warm_start", "warm_start_lr",
         "warm_start_epochs", "warm_start_mini_batch_size", "eval_scenarios", "eval_seed",
-        "loggers", "algorithm", "ei_top_k", "ei_min_reward", "ei_invalid_turns", "guide",
+        "loggers", "algorithm", "ei_top_k", "ei_min_reward", "ei_replay", "ei_invalid_turns",
+        "guide",
         "guide_games",
         "guide_when", "guide_rounds", "warm_start_partner",
     }  # fmt: skip
