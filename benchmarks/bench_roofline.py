@@ -99,12 +99,11 @@ def read_gbs(repeats: int = 5) -> float:
 
 def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
     """The least time the engine's passes take on this machine (module docstring)."""
+    from selfplay.engines.hf import kv_bytes_per_token
+
     model = engine.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    kv_bytes = kv_bytes_per_token(model)
     rate = gflops * 1e9
     prefill = engine.prefilled_tokens * FWD_FLOPS_PER_TOKEN / rate
     compute = engine.decode_rows * FWD_FLOPS_PER_TOKEN / rate

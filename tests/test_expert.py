@@ -219,24 +219,30 @@ def test_a_bad_mixed_warm_start_is_a_clear_error(spec, error):
     )
 
 
-def test_a_warm_start_against_the_runs_partner_clones_only_the_models_seat(tiny_model, tmp_path):
+def _config(model: Path, **fields):
+    """An IterateConfig of ``model`` on the hf engine, one round unless ``fields`` say more."""
     from selfplay.iterate.config import IterateConfig
+
+    fields = {"iterations": 1, **fields}
+    return IterateConfig(model=str(model), engine={"kind": "hf", "model": str(model)}, **fields)
+
+
+def test_a_warm_start_against_the_runs_partner_clones_only_the_models_seat(tiny_model, tmp_path):
     from selfplay.iterate.heldout import warm_start_config
     from selfplay.iterate.sft import build_rows
 
     base = dict(
         name="w",
-        iterations=1,
-        model=str(tiny_model),
-        engine={"kind": "hf", "model": str(tiny_model)},
         checkpoint_root=tmp_path,
         table_size=3,
         warm_start="scripted:cooperative:3,scripted:inquisitive:2",
         warm_start_mini_batch_size=2,
     )
     with pytest.raises(ValueError, match="must then be scripted"):
-        IterateConfig(**base, warm_start_partner="run")  # self-play has no partner to play
-    cfg = IterateConfig(**base, warm_start_partner="run", partner="scripted:shy", policy_seat=2)
+        _config(tiny_model, **base, warm_start_partner="run")  # self-play: no partner to play
+    cfg = _config(
+        tiny_model, **base, warm_start_partner="run", partner="scripted:shy", policy_seat=2
+    )
     sft_cfg = warm_start_config(cfg)
     assert (sft_cfg.partner, sft_cfg.clone) == ("scripted:shy", "2")
     path, sources = build_rows(sft_cfg, load_chat_format(str(tiny_model)))
@@ -273,14 +279,12 @@ def test_replay_trains_on_the_kept_games_of_the_latest_rounds(
 ):
     """--ei-replay N: round 2 trains on its own kept games and those of the rounds before it
     that N reaches (the earlier rounds' selected.jsonl, as they were kept)."""
-    from selfplay.iterate.config import IterateConfig
     from selfplay.iterate.expert import select_stage
 
-    cfg = IterateConfig(
+    cfg = _config(
+        primed_model,
         name="replay",
         iterations=3,
-        model=str(primed_model),
-        engine={"kind": "hf", "model": str(primed_model)},
         data_root=tmp_path,
         algorithm="expert-iteration",
         ei_top_k=2,

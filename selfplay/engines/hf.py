@@ -628,14 +628,18 @@ AUTO_PREFIX_MIN_TOKENS = 65536
 def _auto_prefix_budget(model, device: str) -> int:
     """Tokens of KV that ``AUTO_PREFIX_SHARE`` of the free memory holds (at least
     ``AUTO_PREFIX_MIN_TOKENS``, the old fixed default)."""
-    c = model.config.get_text_config()
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize
     free = available_memory(device)
     if free is None:
         return AUTO_PREFIX_MIN_TOKENS
-    return max(AUTO_PREFIX_MIN_TOKENS, int(AUTO_PREFIX_SHARE * free) // per_token)
+    return max(AUTO_PREFIX_MIN_TOKENS, int(AUTO_PREFIX_SHARE * free) // kv_bytes_per_token(model))
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache one token takes: keys and values of every layer's KV heads."""
+    c = model.config.get_text_config()
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
 def _plain_cache_layers(model) -> int:
