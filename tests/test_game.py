@@ -65,6 +65,38 @@ def test_vector4_rendering_truncates_and_prints_zero():
     assert lines[2] == "Daniel Nguyen,,,,,,,,"
 
 
+def test_lines_view_lists_each_known_cell_as_the_scripted_messages_name_it():
+    """matching-lines shows the same table as one line per reviewer in the scripted players'
+    message form, so parse_values reads back exactly the seat's known cells; the rules text says
+    which cells are unknown, and nothing else of the intro differs from matching's."""
+    from selfplay.game import GAMES
+    from selfplay.game.matching.scripted import format_values, parse_values
+
+    csv_game, lines_game = GAMES["matching"], GAMES["matching-lines"]
+    for seed in range(20):
+        s = generate_scenario(seed, 3 + seed % 4)
+        for seat in (0, 1):
+            view = s.view(seat)
+            shown = lines_game.intro(s, seat)
+            table = shown.split("Reviewer Paper Similarity Scores:\n")[1].split("\n\n")[0]
+            assert table.count("\n") == s.n - 1  # one line per reviewer, known cells or "none"
+            known = {
+                (r, p): v for r, row in enumerate(view) for p, v in enumerate(row) if v is not None
+            }
+            assert parse_values(table.replace("\n", "; "), s.n) == known
+            for line in table.split("\n"):  # a cooperative message's items are copies of lines
+                name = line.split(":")[0]
+                r = REVIEWERS.index(name)
+                assert line == (format_values(view, range(r, r + 1)) or f"{name}: none")
+            assert "cells not listed are unknown" in shown and "," + PAPERS[0] not in shown
+            assert (
+                csv_game.intro(s, seat)
+                .replace(s.view_csv(seat), table)
+                .replace("empty cells are", "cells not listed are")
+                == shown
+            )
+
+
 def _game(n=8, **kw) -> Game:
     return Game(generate_scenario(11, n), **kw)
 

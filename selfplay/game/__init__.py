@@ -11,7 +11,7 @@ from pydantic import AfterValidator, ValidationInfo
 
 from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
-from selfplay.game.matching import MATCHING
+from selfplay.game.matching import MATCHING, MATCHING_LINES
 from selfplay.game.matching.rules import (
     PAPERS,
     PAPERS_SHORT,
@@ -27,7 +27,7 @@ from selfplay.game.matching.rules import (
 from selfplay.game.matching.turns import Action, Game, StepResult
 
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
-GAMES: dict[str, DialogueGame] = {MATCHING.name: MATCHING}
+GAMES: dict[str, DialogueGame] = {game.name: game for game in (MATCHING, MATCHING_LINES)}
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
 
@@ -63,6 +63,7 @@ __all__ = [
     "DEFAULT_GAME",
     "GAMES",
     "MATCHING",
+    "MATCHING_LINES",
     "PAPERS",
     "PAPERS_SHORT",
     "REVIEWERS",

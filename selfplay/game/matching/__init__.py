@@ -22,9 +22,13 @@ _MESSAGE_TAG = re.compile(r"^\s*\[message\]", re.IGNORECASE)
 
 
 class MatchingGame:
-    """Assign n reviewers to n papers from two partial, differently scaled views (n = size)."""
+    """Assign n reviewers to n papers from two partial, differently scaled views (n = size).
+
+    ``table_format`` is how a seat's table is shown (``prompts.TABLE_FORMATS``): the reference's
+    CSV here, one line per reviewer in ``MatchingLinesGame``."""
 
     name = "matching"
+    table_format = "csv"
     min_size = MIN_N
     max_size = MAX_N
     scenario_type = Scenario
@@ -41,7 +45,7 @@ class MatchingGame:
         return Game(scenario, max_actions=max_actions, max_invalid=max_invalid)
 
     def intro(self, scenario: Scenario, seat: int) -> str:
-        return prompts.intro(scenario, seat)
+        return prompts.intro(scenario, seat, self.table_format)
 
     @property
     def scripted_names(self) -> tuple[str, ...]:
@@ -59,3 +63,15 @@ class MatchingGame:
 
 
 MATCHING = MatchingGame()
+
+
+class MatchingLinesGame(MatchingGame):
+    """The matching game with each seat's table shown as one line per reviewer naming its known
+    cells ("Ava Li: BLEU 116, GloVe 79"), the form the scripted players' messages use: the same
+    rules, scenarios, scripted players and rewards; only the prompt's table differs."""
+
+    name = "matching-lines"
+    table_format = "lines"
+
+
+MATCHING_LINES = MatchingLinesGame()

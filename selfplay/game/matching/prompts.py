@@ -5,14 +5,14 @@ Players turn these strings into chat turns; the game itself only produces plain 
 
 from __future__ import annotations
 
-from selfplay.game.matching.rules import PAPERS, REVIEWERS, Scenario
+from selfplay.game.matching.rules import PAPERS, PAPERS_SHORT, REVIEWERS, Scenario
 
 INSTRUCTIONS = """\
 You and your partner are area chairs for a conference. Together you must assign {n} reviewers to \
 {n} papers, one reviewer per paper, so that the total reviewer-paper similarity is as high as \
 possible.
 
-Each of you sees a different, partial view of the similarity table below; empty cells are unknown \
+Each of you sees a different, partial view of the similarity table below; {unknown} are unknown \
 to you. Your partner's numbers are scaled by a different factor than yours, so compare them by \
 their relative size, not their absolute value. Neither of you knows the other's view.
 
@@ -23,6 +23,12 @@ proposal. The game ends when a proposal is accepted; your shared score is its to
 divided by the best possible, out of 1.0."""
 
 TABLE_HEADER = "Reviewer Paper Similarity Scores:"
+# How a seat's table is shown: "csv", the reference's rendering (paper titles as column headers,
+# empty unknown cells), or "lines", one line per reviewer naming each known cell
+# ("Ava Li: BLEU 116, GloVe 79"), the form the scripted players' messages use, so that reading a
+# cell is a copy rather than a column lookup (the matching-lines game).
+TABLE_FORMATS = ("csv", "lines")
+_UNKNOWN = {"csv": "empty cells", "lines": "cells not listed"}
 YOU_START = "You start the conversation."
 
 
@@ -36,15 +42,25 @@ def tokenizer_corpus() -> list[str]:
         "Reviewer Paper Similarity Scores: 0,1,2,3,4,5,6,7,8,9,10,120,345,,,",
         *REVIEWERS,
         *PAPERS,
-        *(INSTRUCTIONS.format(n=n) for n in range(3, 9)),
+        *(INSTRUCTIONS.format(n=n, unknown=_UNKNOWN["csv"]) for n in range(3, 9)),
     ]
 
 
-def intro(scenario: Scenario, seat: int) -> str:
+def view_lines(scenario: Scenario, seat: int) -> str:
+    """The seat's table as one line per reviewer: 'Ava Li: BLEU 116, GloVe 79', the known cells by
+    the papers' short names in column order; 'Daniel Nguyen: none' where no cell is known."""
+    lines = []
+    for name, row in zip(scenario.reviewers, scenario.view(seat)):
+        known = [f"{PAPERS_SHORT[p]} {v}" for p, v in enumerate(row) if v is not None]
+        lines.append(f"{name}: {', '.join(known) if known else 'none'}")
+    return "\n".join(lines)
+
+
+def intro(scenario: Scenario, seat: int, table_format: str = "csv") -> str:
     """The first thing a seat is shown: instructions, its table, and who moves first."""
-    text = (
-        INSTRUCTIONS.format(n=scenario.n) + "\n\n" + TABLE_HEADER + "\n" + scenario.view_csv(seat)
-    )
+    table = scenario.view_csv(seat) if table_format == "csv" else view_lines(scenario, seat)
+    rules = INSTRUCTIONS.format(n=scenario.n, unknown=_UNKNOWN[table_format])
+    text = rules + "\n\n" + TABLE_HEADER + "\n" + table
     return text + ("\n\n" + YOU_START if seat == 0 else "")
 
 
