@@ -55,6 +55,9 @@ class GameSummary(BaseModel):
     # of the games with a valid proposal, the share whose first one is the most common first one:
     # over distinct scenarios near 1 means a proposal that ignores the scenario (a fixed answer)
     same_proposal_share: float = NAN
+    # of the values the seats' messages state about their own views, the share that match them
+    # (matching: "Ava Li: BLEU 116" items against the speaker's table): does the model read it?
+    stated_value_accuracy: float = NAN
     questions_per_game: float = NAN  # both seats, direct and general
     direct_questions_per_game: float = NAN  # about one item (matching: a reviewer and a paper)
     general_questions_per_game: float = NAN
@@ -84,6 +87,7 @@ class Summary:
         self._invalid: list[int] = []
         self._optimal: list[bool] = []
         self._first_proposals: Counter[str] = Counter()
+        self._stated = [0, 0]  # values stated about the speaker's own view, and how many are true
         self._qcounts: list[dict[str, int]] = []
         self._outcomes: Counter[str] = Counter()
 
@@ -95,6 +99,12 @@ class Summary:
         self._invalid.append(r.counts.get("invalid", sum(not a.valid for a in r.actions)))
         self._optimal.append(r.outcome == Outcome.ACCEPTED and r.reward >= 1.0)  # the best there is
         self._outcomes[str(r.outcome)] += 1
+        game = get_game(r.game)
+        for a in r.actions:
+            if a.valid and a.kind == "message":
+                stated, true = game.check_statements(a.text, r.scenario, a.seat)
+                self._stated[0] += stated
+                self._stated[1] += true
         first = next((a.proposal for a in r.actions if a.valid and a.proposal), None)
         if first is not None:
             self._first_proposals[repr(sorted(first))] += 1
@@ -116,6 +126,7 @@ class Summary:
             invalid_action_rate=sum(self._invalid) / total_actions if total_actions else 0.0,
             optimal_rate=float(np.mean(self._optimal)) if n else math.nan,
             same_proposal_share=_modal_share(self._first_proposals),
+            stated_value_accuracy=self._stated[1] / self._stated[0] if self._stated[0] else NAN,
             **_question_summary(self._qcounts, rewards),
             outcomes=dict(outcomes),
         )
@@ -193,6 +204,7 @@ class HeldOut(BaseModel):
     general_questions_per_game: float | None
     mean_actions: float | None
     same_proposal_share: float | None = None  # (GameSummary); None in runs from before it
+    stated_value_accuracy: float | None = None  # (GameSummary); None in runs from before it
     outcomes: dict[str, int] = {}
     seconds: float = 0.0
     path: str | None = None  # the evaluation's folder (games/model-model.jsonl, baselines)

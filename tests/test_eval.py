@@ -43,6 +43,7 @@ ROW_KEYS = {
     "invalid_action_rate",
     "optimal_rate",
     "same_proposal_share",
+    "stated_value_accuracy",
     "questions_per_game",
     "direct_questions_per_game",
     "general_questions_per_game",

@@ -10,7 +10,7 @@ import pytest
 
 from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
 from selfplay.evaluate.config import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
-from selfplay.game import MATCHING
+from selfplay.game import MATCHING, PAPERS_SHORT, REVIEWERS
 from selfplay.game.matching.scripted import make_scripted
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import plan_games
@@ -328,3 +328,28 @@ def test_same_proposal_share_tells_a_fixed_answer_from_one_that_reads_the_scenar
     ]
     assert summarize(same).same_proposal_share == 1.0
     assert math.isnan(summarize([]).same_proposal_share)
+
+
+def test_stated_value_accuracy_counts_the_values_a_message_gets_right_about_its_own_table():
+    """Scripted cooperative states its known cells exactly (1.0); a message that moves each value
+    to the next paper of its reviewer (what the CSV-cloned SmolLM2 does) scores 0 on those items;
+    no stated value is NaN; the lines game's intro lines, said back, are all true."""
+    from selfplay.evaluate.scripted import play_scripted
+    from selfplay.game import GAMES
+
+    games = play_scripted(MATCHING, ("cooperative", "cooperative"), num_games=12, seed=1, n=3)
+    assert summarize(games).stated_value_accuracy == 1.0
+    s = games[0].scenario
+    view = s.view(0)
+    r, p = next((r, p) for r, row in enumerate(view) for p, v in enumerate(row) if v is not None)
+    q = next(q for q in range(3) if view[r][q] != view[r][p])  # another paper, another value
+    wrong = f"[message] My known scores: {REVIEWERS[r]}: {PAPERS_SHORT[q]} {view[r][p]}"
+    assert MATCHING.check_statements(wrong, s, 0) == (1, 0)
+    assert MATCHING.check_statements("[message] Hello!", s, 0) == (0, 0)
+    lines = GAMES["matching-lines"].intro(s, 1).split("Scores:\n")[1].split("\n\n")[0]
+    said = "[message] " + "; ".join(x for x in lines.split("\n") if not x.endswith("none"))
+    known = sum(v is not None for row in s.view(1) for v in row)
+    assert MATCHING.check_statements(said, s, 1) == (known, known)
+    silent = [g.model_copy(update={"actions": [a for a in g.actions if a.kind != "message"]})
+              for g in games]  # fmt: skip
+    assert math.isnan(summarize(silent).stated_value_accuracy)

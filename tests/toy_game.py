@@ -183,6 +183,10 @@ class SumGame:
             return "none"
         return "direct" if re.search(r"\byour (secret )?number\b", text, re.I) else "general"
 
+    def check_statements(self, text: str, scenario: SumScenario, seat: int) -> tuple[int, int]:
+        said = [int(n) for n in re.findall(r"\bmy (?:secret )?number is (\d+)", text, re.I)]
+        return len(said), sum(n == scenario.secrets[seat] for n in said)
+
     def direct_question(self, scenario: SumScenario) -> str:
         return "What is your number?"
 

@@ -238,6 +238,7 @@ class EvalRow(BaseModel):
     invalid_action_rate: float | None = None
     optimal_rate: float | None = None
     same_proposal_share: float | None = None  # the most common first proposal's share of games
+    stated_value_accuracy: float | None = None  # stated own values that match the speaker's view
     questions_per_game: float | None = None
     direct_questions_per_game: float | None = None  # naming a reviewer and a paper
     general_questions_per_game: float | None = None

@@ -56,6 +56,7 @@ COLUMNS = (
     "words",
     "invalid rate",
     "same first proposal",
+    "stated values true",
     "questions/game",
 )
 
@@ -71,6 +72,7 @@ def row_cells(r: EvalRow) -> list[str]:
         _f(r.mean_words, 1),
         _f(r.invalid_action_rate),
         _f(r.same_proposal_share, 2),
+        _f(r.stated_value_accuracy, 2),
         _f(r.questions_per_game, 2),
     ]
 

@@ -132,6 +132,7 @@ def scripted_table(pair: ScriptedPair):
         "invalid_action_rate",
         "optimal_rate",
         "same_proposal_share",
+        "stated_value_accuracy",
         "questions_per_game",
     ):
         table.add_row(key, f"{getattr(summary, key):.4f}")

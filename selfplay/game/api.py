@@ -147,6 +147,11 @@ class DialogueGame(Protocol, Generic[S]):
 
     def direct_question(self, scenario: S) -> str: ...
 
+    def check_statements(self, text: str, scenario: S, seat: int) -> tuple[int, int]:
+        """(stated, true): how many values of the speaker's own view a message states, and how
+        many of them match that view (does a model read its table?); (0, 0) where it states none."""
+        ...
+
     baselines: tuple[str, ...]  # eval's scripted rows when none are named
     heldout_baselines: tuple[str, ...]  # iterate's held-out scripted rows
     partner_persona: str | None  # the API partner's system prompt; None: no API partner

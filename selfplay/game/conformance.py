@@ -38,6 +38,7 @@ MEMBERS = (
     "scripted",
     "classify_question",
     "direct_question",
+    "check_statements",
     "baselines",
     "heldout_baselines",
     "partner_persona",

@@ -187,8 +187,8 @@ def _heldout_table(manifest: Manifest) -> list[str]:
         ]
     md += [
         "| model | reward [95% CI] | agreement | invalid rate | questions (direct) | actions "
-        "| same first proposal |",
-        "|---|---|---|---|---|---|---|",
+        "| same first proposal | stated values true |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     f = _fmt
@@ -199,7 +199,7 @@ def _heldout_table(manifest: Manifest) -> list[str]:
             f"{f(h.reward_ci_high)}] | {f(h.agreement_rate)} "
             f"| {f(h.invalid_action_rate)} | {f(h.questions_per_game, '.2f')} "
             f"({f(h.direct_questions_per_game, '.2f')}) | {f(h.mean_actions, '.1f')} "
-            f"| {f(h.same_proposal_share, '.2f')} |"
+            f"| {f(h.same_proposal_share, '.2f')} | {f(h.stated_value_accuracy, '.2f')} |"
         )
 
     if manifest.heldout_initial:

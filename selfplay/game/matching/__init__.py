@@ -14,7 +14,7 @@ from selfplay.game.matching import prompts, questions
 from selfplay.game.matching.human import HUMAN
 from selfplay.game.matching.rules import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, Scenario
 from selfplay.game.matching.rules import generate_scenario as _generate_scenario
-from selfplay.game.matching.scripted import SCRIPTED_NAMES, make_scripted
+from selfplay.game.matching.scripted import SCRIPTED_NAMES, make_scripted, parse_values
 from selfplay.game.matching.turns import Game
 from selfplay.seats import Player
 
@@ -57,6 +57,11 @@ class MatchingGame:
     def classify_question(self, text: str, scenario: Scenario | None = None) -> QuestionKind:
         text = _MESSAGE_TAG.sub("", text, count=1)  # a recorded action keeps its tag
         return questions.classify_question(text, MAX_N if scenario is None else scenario.n)
+
+    def check_statements(self, text: str, scenario: Scenario, seat: int) -> tuple[int, int]:
+        stated = parse_values(_MESSAGE_TAG.sub("", text, count=1), scenario.n)
+        view = scenario.view(seat)
+        return len(stated), sum(view[r][p] == v for (r, p), v in stated.items())
 
     def direct_question(self, scenario: Scenario) -> str:
         return f"What is the score for {REVIEWERS[0]} on {PAPERS_SHORT[scenario.n - 1]}?"
