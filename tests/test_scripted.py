@@ -245,3 +245,43 @@ def test_cooperative_answers_a_proposal_before_sharing_its_values():
 
     s = evaluate_scripted(MATCHING, ("no-talk", "cooperative"), num_games=30, seed=7, n=3)
     assert s.summary.invalid_action_rate == 0.0 and s.summary.agreement_rate > 0.8
+
+
+def test_explainer_picks_the_largest_free_value_first_and_its_partner_copies_the_picks():
+    """explainer + explainer: values, values, the first seat's picks (each the largest value, own
+    or stated, whose reviewer and paper are free), the other seat's proposal of exactly those
+    pairs, accept; greedy on raw values scores between no-talk and cooperative."""
+    from selfplay.game.matching.scripted import (
+        SCRIPTED_NAMES,
+        Explainer,
+        format_picks,
+        parse_picks,
+    )
+
+    for seed in range(40):
+        (g,) = play_scripted(MATCHING, ("explainer", "explainer"), num_games=1, seed=seed, n=3)
+        kinds = [a.kind for a in g.actions]
+        assert kinds == ["message", "message", "message", "propose", "accept"], g.actions
+        s = g.scenario
+        known = {}
+        for seat in (1, 0):  # seat 0 picks: its own values win a cell both know
+            known.update({(r, p): v for r, row in enumerate(s.view(seat))
+                          for p, v in enumerate(row) if v is not None})  # fmt: skip
+        picks, rows, cols = [], set(), set()
+        for (r, p), v in sorted(known.items(), key=lambda kv: (-kv[1], kv[0])):
+            if r not in rows and p not in cols:
+                picks.append((r, p, v))
+                rows.add(r)
+                cols.add(p)
+        assert g.actions[2].text.startswith("[message] " + format_picks(picks))
+        assert sorted(g.actions[3].proposal) == parse_picks(g.actions[2].text, 3)
+        assert sorted(g.actions[3].proposal) == sorted(parse_proposal(g.actions[3].text[10:], 3))
+    assert parse_picks("Highest first: BLEU: Ava Li (3), Electra: Ava Li", 3) is None
+    assert Explainer.name in SCRIPTED_NAMES
+    score = {
+        name: evaluate_scripted(
+            MATCHING, (name, name), num_games=60, seed=3, n=3
+        ).summary.reward_mean
+        for name in ("explainer", "cooperative", "no-talk")
+    }
+    assert score["no-talk"] + 0.03 < score["explainer"] < score["cooperative"]

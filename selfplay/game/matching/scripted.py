@@ -15,6 +15,13 @@ plays a fixed policy:
   learn the ratio of the two scales), then proposes the best assignment under what it learned, and
   judges proposals honestly like ``cooperative``. The upper reference against ``shy``, which
   answers only such questions.
+- ``explainer``: ``cooperative``'s messages, then a teacher a small model can copy: the first seat
+  to know both views says how it picks, highest known value first ("Highest first: BLEU: Ava Li
+  (116), Electra: Sofia Patel (90), GloVe: Daniel Nguyen": each step the largest value, own or
+  the partner's as stated, whose reviewer and paper are still free; the rest in order), and the
+  other seat proposes exactly those pairs; it accepts its own picks, otherwise judges like
+  ``cooperative``. Greedy on the raw values, so weaker than ``cooperative``, but each step is a
+  comparison of numbers in the dialogue and the proposal a copy of the message.
 
 Partner values come in the partner's scale: the cooperative player estimates the ratio of the
 two scales from cells both know (or from the means when none overlap) before merging.
@@ -40,7 +47,14 @@ from selfplay.game.matching.rules import (
 )
 from selfplay.seats import SeatConfig, SeatTokens
 
-SCRIPTED_NAMES: tuple[str, ...] = ("cooperative", "no-talk", "shy", "random", "inquisitive")
+SCRIPTED_NAMES: tuple[str, ...] = (
+    "cooperative",
+    "no-talk",
+    "shy",
+    "random",
+    "inquisitive",
+    "explainer",
+)
 
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
 _CHOICES = "You can output one of these choices"
@@ -377,6 +391,90 @@ class Inquisitive(Cooperative):
         return self.propose(self.proposed)
 
 
+PICKS = "Highest first: "
+_PICK = re.compile(r"(\w+): ([A-Z][a-z]+ [A-Z][a-z]+)")
+
+
+def format_picks(steps: list[tuple[int, int, int | None]]) -> str:
+    """'Highest first: BLEU: Ava Li (116), ..., GloVe: Daniel Nguyen' for (reviewer, paper, value)
+    steps in the order picked; a step without a known value has none."""
+    items = [
+        f"{PAPERS_SHORT[p]}: {REVIEWERS[r]}" + ("" if v is None else f" ({v})") for r, p, v in steps
+    ]
+    return PICKS + ", ".join(items)
+
+
+def parse_picks(text: str, n: int) -> Pairs | None:
+    """The pairs of a format_picks message (sorted by reviewer), None unless they assign every
+    reviewer and paper once."""
+    if PICKS not in text:
+        return None
+    pairs = set()
+    for paper, name in _PICK.findall(text.split(PICKS, 1)[1]):
+        p = _index(PAPERS_SHORT[:n], paper)
+        r = _index(REVIEWERS[:n], name)
+        if p is None or r is None:
+            return None
+        pairs.add((r, p))
+    if len(pairs) != n or len({r for r, _ in pairs}) != n or len({p for _, p in pairs}) != n:
+        return None
+    return sorted(pairs)
+
+
+class Explainer(Cooperative):
+    name = "explainer"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0) -> None:
+        super().__init__(scenario, seat, seed)
+        self.stated: dict[tuple[int, int], int] = {}  # the partner's values, as stated
+        self.suggested: Pairs | None = None  # the partner's picks
+        self.picked = False
+
+    def observe(self, kind: str, body: str) -> None:
+        super().observe(kind, body)
+        if kind == "message":
+            self.stated.update(parse_values(body.split(PICKS, 1)[0], self.n))
+            self.suggested = parse_picks(body, self.n) or self.suggested
+
+    def greedy(self) -> list[tuple[int, int, int | None]]:
+        """Largest known value first (own values win a cell both state), skipping used reviewers
+        and papers; then the reviewers and papers left, in order, without a value."""
+        known = dict(self.stated)
+        known.update(
+            {
+                (r, p): v
+                for r, row in enumerate(self.view)
+                for p, v in enumerate(row)
+                if v is not None
+            }
+        )
+        steps: list[tuple[int, int, int | None]] = []
+        rows: set[int] = set()
+        cols: set[int] = set()
+        for (r, p), v in sorted(known.items(), key=lambda kv: (-kv[1], kv[0])):
+            if r not in rows and p not in cols:
+                steps.append((r, p, v))
+                rows.add(r)
+                cols.add(p)
+        left = zip(
+            (r for r in range(self.n) if r not in rows), (p for p in range(self.n) if p not in cols)
+        )
+        return steps + [(r, p, None) for r, p in left]
+
+    def decide(self) -> str:
+        mine = sorted((r, p) for r, p, _ in self.greedy())
+        if self.pending is not None and sorted(self.pending) == mine:
+            return "[accept]"
+        if self.pending is not None or self.next_row < self.n or not self.partner_spoke:
+            return super().decide()  # answer, share values, or ask for the partner's
+        if self.suggested is not None:
+            return self.propose(self.suggested)
+        if not self.picked:
+            self.picked = True
+            return "[message] " + format_picks(self.greedy())
+        return self.propose(mine)
+
+
 def _index(names, text: str) -> int | None:
     folded = text.strip().casefold()
     return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
@@ -395,6 +493,8 @@ def make_scripted(name: str, scenario: Scenario, seat: int, seed: int = 0) -> Sc
             return RandomPlayer(scenario, seat, seed)
         case "inquisitive":
             return Inquisitive(scenario, seat, seed)
+        case "explainer":
+            return Explainer(scenario, seat, seed)
         case _:
             raise ValueError(
                 f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
