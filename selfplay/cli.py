@@ -176,8 +176,9 @@ def eval_cmd(
     ),
     players: str | None = typer.Option(
         None,
-        help="Scripted pair mode: two policies, seat 1 then seat 2 (cooperative, no-talk, shy, "
-        "random); the default mode when no --models or --run is given.",
+        help="Scripted pair mode: two policies, seat 1 then seat 2 (matching: cooperative, "
+        "no-talk, shy, random, inquisitive, explainer); the default mode when no --models or "
+        "--run is given.",
     ),
     num_games: int | None = typer.Option(
         None, min=1, help="Scripted pair mode: games, one fresh scenario each (default 200)."

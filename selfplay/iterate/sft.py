@@ -84,7 +84,7 @@ class SFTConfig(BaseModel):
     teacher: str | None = Field(
         None,
         description="Clone a scripted policy: scripted:NAME (cooperative, no-talk, shy, random, "
-        "inquisitive), --num-games games; or several, each with its games: "
+        "inquisitive, explainer), --num-games games; or several, each with its games: "
         "scripted:cooperative:24,scripted:inquisitive:4.",
     )
     partner: str | None = Field(
