@@ -285,3 +285,33 @@ def test_explainer_picks_the_largest_free_value_first_and_its_partner_copies_the
         for name in ("explainer", "cooperative", "no-talk")
     }
     assert score["no-talk"] + 0.03 < score["explainer"] < score["cooperative"]
+
+
+def test_explainer_picks_script_counts_greedy_picks_and_copies():
+    """scripts/explainer_picks.py: the explainer's own games score every count; the same games
+    with each picks message reversed (the smallest value first) keep their copies' count only
+    where the proposal still equals the picks, and no first pick is the largest."""
+    import importlib.util
+    from pathlib import Path
+
+    from selfplay.game.matching.scripted import PICKS
+
+    path = Path(__file__).parents[1] / "scripts" / "explainer_picks.py"
+    spec = importlib.util.spec_from_file_location("explainer_picks", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    games = play_scripted(MATCHING, ("explainer", "explainer"), num_games=20, seed=5, n=3)
+    c = mod.pick_stats(games)
+    assert c["games"] == c["with_picks"] == c["picks_greedy"] == c["first_largest"] == 20
+    assert c["proposal_copies"] == c["proposed"] == 20
+
+    def reverse(a):
+        if PICKS not in a.text:
+            return a
+        head, items = a.text.split(PICKS)
+        return a.model_copy(update={"text": head + PICKS + ", ".join(items.split(", ")[::-1])})
+
+    flipped = [g.model_copy(update={"actions": [reverse(a) for a in g.actions]}) for g in games]
+    c = mod.pick_stats(flipped)
+    assert c["with_picks"] == c["picks_greedy"] == c["proposal_copies"] == 20  # same pairs
+    assert c["first_largest"] == 0
