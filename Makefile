@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-replay learn-explain learn-grpo shy ask ask4 ask-guided bench
+.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-grpo shy ask ask4 ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables: a warm start (behaviour cloning of the
 # scripted cooperative policy through verl's SFT loss), then two GRPO self-play rounds, each
@@ -43,6 +43,14 @@ LEARN_EXPLAIN_ARGS ?= --name learn-explain --game matching-lines --table-size 3 
 	--ei-min-reward 0.9 --ei-replay 0 --iterations 4 --games-per-iter 128 --games-per-scenario 4 \
 	--temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-4 --epochs-per-iter 1 \
 	--mini-batch-size 8 --eval-scenarios 96 --micro-batch-size 4
+
+# The GRPO arm of learn-explain at about the same wall time: the same warm start, GRPO rounds of
+# 64 games (16 scenarios x 4), lr 1e-5, the rollout's log-probs as the old ones.
+LEARN_EXPLAIN_GRPO_ARGS ?= --name learn-explain-grpo --game matching-lines --table-size 3 \
+	--model checkpoints/explainer-warm --iterations 4 --games-per-iter 64 --games-per-scenario 4 \
+	--temperature 1.0 --max-new-tokens 64 --max-actions 10 --lr 1e-5 \
+	--loss-agg seq-mean-token-mean --updates-per-round 4 --old-log-probs rollout \
+	--eval-scenarios 96 --micro-batch-size 4
 
 # The same with GRPO (the earlier `make learn`, now on 48 held-out scenarios): every game of a
 # round, lr 5e-6, 4 updates a round.
@@ -118,6 +126,11 @@ learn-explain: setup
 	test -f checkpoints/explainer-warm/config.json || \
 		.venv/bin/selfplay sft $(LEARN_EXPLAIN_SFT) --out checkpoints/explainer-warm
 	.venv/bin/selfplay iterate $(LEARN_EXPLAIN_ARGS)
+
+learn-explain-grpo: setup
+	test -f checkpoints/explainer-warm/config.json || \
+		.venv/bin/selfplay sft $(LEARN_EXPLAIN_SFT) --out checkpoints/explainer-warm
+	.venv/bin/selfplay iterate $(LEARN_EXPLAIN_GRPO_ARGS)
 
 learn-grpo: setup
 	.venv/bin/selfplay iterate $(LEARN_GRPO_ARGS)
