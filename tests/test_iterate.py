@@ -383,3 +383,26 @@ def test_trackers_get_training_steps_and_round_metrics(reference_run):
     assert [r["_step"] for r in rows] == list(range(1, steps + 3))  # steps only grow
     assert sum("round/reward_mean" in r for r in rows) == 2
     assert manifest["tracker_step"] == steps + 2
+
+
+def test_changed_configuration_error_shows_a_left_out_setting_as_its_default(tmp_path):
+    """A setting that a run's identity leaves out while it has its default (added later) shows as
+    that default, not None: what `make demo` says when DEMO_ARGS changed under an old data/demo."""
+    from selfplay.iterate.config import IterateConfig, IterateError
+    from selfplay.iterate.resume import Run
+    from selfplay.manifest import StageRecord
+
+    old = IterateConfig(
+        name="x", model="m", engine={"kind": "hf", "model": "m"}, iterations=1, games_per_iter=2,
+        data_root=tmp_path, checkpoint_root=tmp_path, warm_start="scripted:cooperative:4",
+        warm_start_epochs=2,
+    )  # fmt: skip
+    run = Run(old)
+    run.manifest.warm_start = StageRecord(finished_at=0.0, seconds=1.0)  # started: no silent reset
+    run.save()
+    new = old.model_copy(update={"warm_start_epochs": 1, "warm_start_mini_batch_size": 2})
+    with pytest.raises(IterateError) as err:
+        Run(new)
+    assert "warm_start_epochs: 2 -> 1 (default)" in str(err.value)
+    assert "warm_start_mini_batch_size: 4 (default) -> 2" in str(err.value)
+    assert "None" not in str(err.value)

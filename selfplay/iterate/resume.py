@@ -13,7 +13,7 @@ from pydantic import (
 )
 
 from selfplay.fileio import atomic_write
-from selfplay.iterate.config import IterateConfig, IterateError, config_identity
+from selfplay.iterate.config import ADDED_LATER, IterateConfig, IterateError, config_identity
 from selfplay.manifest import Manifest, RoundRecord, StageRecord, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
 from selfplay.train.model_card import git_commit
@@ -29,6 +29,14 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return out
+
+
+def _shown(identity: dict, key: str) -> str:
+    """A setting as a changed-configuration error shows it: config_identity leaves out a setting
+    added later while it has its old default, so a missing one shows that default."""
+    if key in identity:
+        return repr(identity[key])
+    return f"{ADDED_LATER[key]!r} (default)" if key in ADDED_LATER else "(none)"
 
 
 class Run:
@@ -61,7 +69,7 @@ class Run:
             )
             self.manifest.rounds = {}
         elif diff and not force:
-            details = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
+            details = "; ".join(f"{k}: {_shown(old, k)} -> {_shown(new, k)}" for k in diff)
             raise IterateError(
                 f"run {self.config.name!r} was started with another configuration ({details}). "
                 "Use the same options to resume, another --name for a new run, or --force to "
