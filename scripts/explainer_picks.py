@@ -10,15 +10,13 @@ docs/runs/*/heldout/ publishes them) and prints one row per file.
 
 from __future__ import annotations
 
-import gzip
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 
 from selfplay.game import PAPERS_SHORT, REVIEWERS
 from selfplay.game.matching.scripted import PICKS, Explainer, parse_picks
-from selfplay.records import GameRecord
+from selfplay.records import GameRecord, iter_game_records
 
 _TAG = "[message]"
 
@@ -61,12 +59,6 @@ def pick_stats(records: Iterable[GameRecord]) -> Counter[str]:
     return c
 
 
-def _records(path: Path) -> list[GameRecord]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return [GameRecord.model_validate_json(line) for line in f if line.strip()]
-
-
 def _share(k: int, of: int) -> str:
     return f"{k} of {of} ({k / of:.2f})" if of else "-"
 
@@ -75,7 +67,7 @@ def main(paths: list[str]) -> None:
     print("| games file | games | with picks | picks = explainer's | first = largest | copied |")
     print("|---|---|---|---|---|---|")
     for path in paths:
-        c = pick_stats(_records(Path(path)))
+        c = pick_stats(iter_game_records(path))
         n = c["with_picks"]
         print(
             f"| {path} | {c['games']} | {n} | {_share(c['picks_greedy'], n)} "

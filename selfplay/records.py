@@ -9,6 +9,7 @@ and reported with its line number, never silently dropped.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
 from collections.abc import Iterator
@@ -118,8 +119,9 @@ class ReadReport:
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, object, None) for each non-blank line of a JSONL file, or (line number,
-    None, reason) for a line that is not valid JSON (a torn or corrupt line)."""
-    with path.open("rb") as f:
+    None, reason) for a line that is not valid JSON (a torn or corrupt line). A ``.gz`` path is
+    read through gzip (docs/runs/*/heldout/ publishes held-out games that way)."""
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
                 try:

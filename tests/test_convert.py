@@ -953,3 +953,20 @@ def test_invalid_penalty_goes_to_the_seat_that_ended_the_game(tmp_path):
     rewards = {(r["game_id"], r["seat"]): r["reward"] for r in train}
     want = {("a1", 0): 0.0, ("a1", 1): -0.5, ("a2", 0): 0.6, ("a2", 1): 0.6}
     assert rewards == pytest.approx(want)
+
+
+def test_gzipped_games_read_like_the_plain_file(tmp_path):
+    """docs/runs/*/heldout/ publishes games as .jsonl.gz: iter_game_records reads them through
+    gzip, the same records in the same order, a torn line still skipped and counted."""
+    import gzip
+
+    from selfplay.records import ReadReport, iter_game_records
+
+    good = [game("a1", "A", 0.2), game("a2", "A", 0.8), game("b1", "B", 0.5)]
+    plain = write(tmp_path / "games.jsonl", good, {2: b"{not json\n"})
+    packed = tmp_path / "games.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    report = ReadReport()
+    assert list(iter_game_records(packed, report)) == list(iter_game_records(plain))
+    assert [g.game_id for g in iter_game_records(packed)] == ["a1", "a2", "b1"]
+    assert [line for line, _ in report.skipped] == [2]
