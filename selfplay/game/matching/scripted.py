@@ -462,7 +462,8 @@ class Explainer(Cooperative):
         return steps + [(r, p, None) for r, p in left]
 
     def decide(self) -> str:
-        mine = sorted((r, p) for r, p, _ in self.greedy())
+        steps = self.greedy()
+        mine = sorted((r, p) for r, p, _ in steps)
         if self.pending is not None and sorted(self.pending) == mine:
             return "[accept]"
         if self.pending is not None or self.next_row < self.n or not self.partner_spoke:
@@ -471,7 +472,7 @@ class Explainer(Cooperative):
             return self.propose(self.suggested)
         if not self.picked:
             self.picked = True
-            return "[message] " + format_picks(self.greedy())
+            return "[message] " + format_picks(steps)
         return self.propose(mine)
 
 
