@@ -344,3 +344,48 @@ _WORDS = [*REVIEWERS, *(w for r in REVIEWERS for w in r.split()), *PAPERS_SHORT,
 def test_mentions_finds_what_a_search_per_name_finds(parts, n):
     text = "".join(parts)
     assert mentions(text, n) == _mentions_by_name(text, n)
+
+
+def test_ranked_view_lists_the_known_cells_highest_first_and_changes_no_decision():
+    """matching-ranked shows each known cell on a line of its own, highest value first, in the
+    scripted messages' item form, and its scripted players state their values in that order:
+    parse_values reads back exactly the seat's cells (view and message), and every scripted pair
+    scores game for game what it scores in matching-lines."""
+    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.game import GAMES
+    from selfplay.game.matching.scripted import make_scripted, parse_values
+
+    ranked = GAMES["matching-ranked"]
+    for seed in range(20):
+        s = generate_scenario(seed, 3 + seed % 4)
+        for seat in (0, 1):
+            view = s.view(seat)
+            known = {
+                (r, p): v for r, row in enumerate(view) for p, v in enumerate(row) if v is not None
+            }
+            shown = ranked.intro(s, seat)
+            table = shown.split("Reviewer Paper Similarity Scores:\n")[1].split("\n\n")[0]
+            lines = table.split("\n")
+            assert len(lines) == max(1, len(known))
+            assert parse_values(table.replace("\n", "; "), s.n) == known
+            values = [int(line.rsplit(" ", 1)[1]) for line in lines if known]
+            assert values == sorted(values, reverse=True)
+            assert "cells not listed are unknown" in shown
+            message = ranked.scripted("cooperative", s, seat).decide()
+            if not known:
+                assert message == "[message] I know no scores here."
+                continue
+            assert message.startswith("[message] My known scores, highest first: ")
+            assert parse_values(message, s.n) == known
+            body = message.split("highest first: ")[1]
+            assert body.split("; ") == lines  # the message states the view's lines, in order
+            plain = make_scripted("cooperative", s, seat).decide()
+            assert plain.startswith("[message] My known scores: ")
+            assert parse_values(plain, s.n) == known
+    for players in (("explainer", "explainer"), ("cooperative", "cooperative")):
+        a, b = (
+            evaluate_scripted(GAMES[g], players, num_games=30, seed=3, n=3, max_actions=10)
+            for g in ("matching-lines", "matching-ranked")
+        )
+        assert a.summary.reward_mean == b.summary.reward_mean
+        assert a.summary.stated_value_accuracy == b.summary.stated_value_accuracy == 1.0

@@ -25,7 +25,8 @@ class MatchingGame:
     """Assign n reviewers to n papers from two partial, differently scaled views (n = size).
 
     ``table_format`` is how a seat's table is shown (``prompts.TABLE_FORMATS``): the reference's
-    CSV here, one line per reviewer in ``MatchingLinesGame``."""
+    CSV here, one line per reviewer in ``MatchingLinesGame``, one known cell a line, highest
+    first, in ``MatchingRankedGame``."""
 
     name = "matching"
     table_format = "csv"
@@ -52,7 +53,7 @@ class MatchingGame:
         return SCRIPTED_NAMES
 
     def scripted(self, name: str, scenario: Scenario, seat: int, *, seed: int = 0) -> Player:
-        return make_scripted(name, scenario, seat, seed=seed)
+        return make_scripted(name, scenario, seat, seed=seed, ranked=self.table_format == "ranked")
 
     def classify_question(self, text: str, scenario: Scenario | None = None) -> QuestionKind:
         text = _MESSAGE_TAG.sub("", text, count=1)  # a recorded action keeps its tag
@@ -80,3 +81,17 @@ class MatchingLinesGame(MatchingGame):
 
 
 MATCHING_LINES = MatchingLinesGame()
+
+
+class MatchingRankedGame(MatchingGame):
+    """The matching game with each seat's known cells listed one a line, highest value first
+    ("Ava Li: GloVe 968"), and the scripted players' messages stating their values in the same
+    order ("My known scores, highest first: Ava Li: GloVe 968; Sofia Patel: BLEU 156"). The same
+    rules, scenarios, rewards and scripted decisions; only the order of the values in the texts
+    differs, so that the largest known value is a first line, not the result of comparisons."""
+
+    name = "matching-ranked"
+    table_format = "ranked"
+
+
+MATCHING_RANKED = MatchingRankedGame()

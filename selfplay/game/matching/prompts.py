@@ -26,9 +26,11 @@ TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 # How a seat's table is shown: "csv", the reference's rendering (paper titles as column headers,
 # empty unknown cells), or "lines", one line per reviewer naming each known cell
 # ("Ava Li: BLEU 116, GloVe 79"), the form the scripted players' messages use, so that reading a
-# cell is a copy rather than a column lookup (the matching-lines game).
-TABLE_FORMATS = ("csv", "lines")
-_UNKNOWN = {"csv": "empty cells", "lines": "cells not listed"}
+# cell is a copy rather than a column lookup (the matching-lines game), or "ranked", one known
+# cell a line, highest value first ("Ava Li: GloVe 968"), so that the largest known value is the
+# first line rather than the result of comparisons (the matching-ranked game).
+TABLE_FORMATS = ("csv", "lines", "ranked")
+_UNKNOWN = {"csv": "empty cells", "lines": "cells not listed", "ranked": "cells not listed"}
 YOU_START = "You start the conversation."
 
 
@@ -56,9 +58,30 @@ def view_lines(scenario: Scenario, seat: int) -> str:
     return "\n".join(lines)
 
 
+def ranked_cells(view: list[list[int | None]]) -> list[tuple[int, int, int]]:
+    """The known cells of a view as (reviewer, paper, value), highest value first (ties: reviewer,
+    then paper, in table order)."""
+    cells = [(r, p, v) for r, row in enumerate(view) for p, v in enumerate(row) if v is not None]
+    return sorted(cells, key=lambda c: (-c[2], c[0], c[1]))
+
+
+def view_ranked(scenario: Scenario, seat: int) -> str:
+    """The seat's known cells one a line, highest value first: 'Ava Li: GloVe 968' (the scripted
+    messages' item form, one item a line); 'none' where no cell is known."""
+    cells = ranked_cells(scenario.view(seat))
+    lines = [f"{scenario.reviewers[r]}: {PAPERS_SHORT[p]} {v}" for r, p, v in cells]
+    return "\n".join(lines) or "none"
+
+
+_VIEWS = {"lines": view_lines, "ranked": view_ranked}
+
+
 def intro(scenario: Scenario, seat: int, table_format: str = "csv") -> str:
     """The first thing a seat is shown: instructions, its table, and who moves first."""
-    table = scenario.view_csv(seat) if table_format == "csv" else view_lines(scenario, seat)
+    if table_format == "csv":
+        table = scenario.view_csv(seat)
+    else:
+        table = _VIEWS[table_format](scenario, seat)
     rules = INSTRUCTIONS.format(n=scenario.n, unknown=_UNKNOWN[table_format])
     text = rules + "\n\n" + TABLE_HEADER + "\n" + table
     return text + ("\n\n" + YOU_START if seat == 0 else "")

@@ -33,6 +33,7 @@ import re
 
 import numpy as np
 
+from selfplay.game.matching.prompts import ranked_cells
 from selfplay.game.matching.questions import is_question
 from selfplay.game.matching.rules import (
     PAPERS_SHORT,
@@ -74,8 +75,13 @@ def partner_events(observation: str) -> list[tuple[str, str]]:
     return events
 
 
-def format_values(view: list[list[int | None]], rows: range) -> str:
-    """'Ava Li: BLEU 320, GloVe 122; Daniel Nguyen: Electra 45' for the known cells of ``rows``."""
+def format_values(view: list[list[int | None]], rows: range, *, ranked: bool = False) -> str:
+    """'Ava Li: BLEU 320, GloVe 122; Daniel Nguyen: Electra 45' for the known cells of ``rows``;
+    ``ranked``: one cell an item, highest value first ('Ava Li: BLEU 320; Daniel Nguyen: Electra
+    45; Ava Li: GloVe 122'), which ``parse_values`` reads the same."""
+    if ranked:
+        cells = [c for c in ranked_cells(view) if c[0] in rows]
+        return "; ".join(f"{REVIEWERS[r]}: {PAPERS_SHORT[p]} {v}" for r, p, v in cells)
     parts = []
     for r in rows:
         items = [f"{PAPERS_SHORT[p]} {v}" for p, v in enumerate(view[r]) if v is not None]
@@ -163,9 +169,11 @@ class Cooperative(ScriptedPlayer):
         *,
         accept_fraction: float = 0.9,
         rows_per_message: int = 8,
+        ranked: bool = False,
     ) -> None:
         super().__init__(scenario, seat, seed)
         self.accept_fraction = accept_fraction
+        self.ranked = ranked  # its values stated highest first (the matching-ranked game)
         self.rows_per_message = rows_per_message
         self.next_row = 0
         self.partner_values: dict[tuple[int, int], int] = {}
@@ -202,8 +210,9 @@ class Cooperative(ScriptedPlayer):
         if self.next_row < self.n and self.pending is None:
             rows = range(self.next_row, min(self.n, self.next_row + self.rows_per_message))
             self.next_row = rows.stop
-            text = format_values(self.view, rows)
-            return "[message] " + (f"My known scores: {text}" if text else "I know no scores here.")
+            text = format_values(self.view, rows, ranked=self.ranked)
+            head = "My known scores, highest first: " if self.ranked else "My known scores: "
+            return "[message] " + (head + text if text else "I know no scores here.")
         estimate = self.merged()
         best, best_value = best_assignment(estimate)
         if self.pending is not None:
@@ -289,8 +298,8 @@ class Inquisitive(Cooperative):
 
     name = "inquisitive"
 
-    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, max_questions=None):
-        super().__init__(scenario, seat, seed)
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, max_questions=None, **kw):
+        super().__init__(scenario, seat, seed, **kw)
         # 30 actions per game: keep room for proposing and answering a proposal or two
         self.max_questions = max_questions if max_questions is not None else min(12, 2 * self.n)
         self.asked: set[tuple[int, int]] = set()
@@ -424,8 +433,8 @@ def parse_picks(text: str, n: int) -> Pairs | None:
 class Explainer(Cooperative):
     name = "explainer"
 
-    def __init__(self, scenario: Scenario, seat: int, seed: int = 0) -> None:
-        super().__init__(scenario, seat, seed)
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, **kw) -> None:
+        super().__init__(scenario, seat, seed, **kw)
         self.stated: dict[tuple[int, int], int] = {}  # the partner's values, as stated
         self.suggested: Pairs | None = None  # the partner's picks
         self.picked = False
@@ -481,11 +490,14 @@ def _index(names, text: str) -> int | None:
     return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
 
 
-def make_scripted(name: str, scenario: Scenario, seat: int, seed: int = 0) -> ScriptedPlayer:
-    """Build a scripted player by name (one of SCRIPTED_NAMES)."""
+def make_scripted(
+    name: str, scenario: Scenario, seat: int, seed: int = 0, *, ranked: bool = False
+) -> ScriptedPlayer:
+    """Build a scripted player by name (one of SCRIPTED_NAMES); ``ranked``: the players that
+    share their table state it highest value first (the matching-ranked game)."""
     match name:
         case "cooperative":
-            return Cooperative(scenario, seat, seed)
+            return Cooperative(scenario, seat, seed, ranked=ranked)
         case "no-talk":
             return NoTalk(scenario, seat, seed)
         case "shy":
@@ -493,9 +505,9 @@ def make_scripted(name: str, scenario: Scenario, seat: int, seed: int = 0) -> Sc
         case "random":
             return RandomPlayer(scenario, seat, seed)
         case "inquisitive":
-            return Inquisitive(scenario, seat, seed)
+            return Inquisitive(scenario, seat, seed, ranked=ranked)
         case "explainer":
-            return Explainer(scenario, seat, seed)
+            return Explainer(scenario, seat, seed, ranked=ranked)
         case _:
             raise ValueError(
                 f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
