@@ -26,6 +26,14 @@ decoding steps, rows and KV positions read; the stage's least time is prefill FL
 max(decode FLOPs / rate, (steps x weight bytes + KV positions x KV bytes) / bandwidth), summed over
 the run (a bound no schedule of the same passes beats), and the limit is its tokens / that time.
 
+A third generate row, "its matmuls alone": the same prefill, and each decoding step's linear
+layers timed on their own at that step's rows (the engine counts steps by rows; F.linear in the
+run's dtype, median of --repeats), summed. A step of 20-60 rows runs its matmuls far below the
+FLOP rate of 512 rows while reading the weights slower than the bandwidth allows, so neither
+limit above binds there; this row says how much of the stage's time its matmuls at their own
+shapes take, and so how much is everything else (attention over the KV cache, norms, sampling,
+the engine's bookkeeping).
+
 Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
      [--tokens 512] [--repeats 10] [--stages]
 """
@@ -111,6 +119,29 @@ def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
     return prefill + max(compute, memory)
 
 
+def linear_seconds(rows: int, dtype, repeats: int) -> float:
+    """One forward pass's linear layers (SHAPES) at ``rows`` rows: the median time of each
+    F.linear, times its count per pass, summed."""
+    total = 0.0
+    for _, k, n, count in SHAPES:
+        x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
+        times = []
+        for i in range(2 + repeats):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        total += statistics.median(times) * count
+    return total
+
+
+def matmuls_alone_seconds(engine, gflops: float, dtype, repeats: int = 5) -> float:
+    """Prefill FLOPs / rate plus every decoding step's linear layers timed at its rows."""
+    prefill = engine.prefilled_tokens * FWD_FLOPS_PER_TOKEN / (gflops * 1e9)
+    steps = engine.decode_batches
+    return prefill + sum(n * linear_seconds(rows, dtype, repeats) for rows, n in steps.items())
+
+
 def limit_tokens_per_s(gflops: float, factor: int) -> float:
     return gflops * 1e9 / (FWD_FLOPS_PER_TOKEN * factor)
 
@@ -124,9 +155,9 @@ def cpu_name() -> str:
 
 def stage_generate(
     model: str, dtype: str, tmp: Path, gflops: float, gbs: float
-) -> tuple[float, str, float]:
+) -> tuple[float, str, float, float]:
     """tokens/s through the model (prefilled prompt tokens + generated tokens) of a short run,
-    a note, and the decode-aware limit of those passes in tokens/s."""
+    a note, the decode-aware limit of those passes in tokens/s, and their matmuls' alone."""
     from bench_generate import play_hf  # (this folder: sys.path[0] when run as a script)
 
     from selfplay.engines import HFEngineConfig
@@ -146,7 +177,8 @@ def stage_generate(
         f"{torch.get_num_threads()} engine threads; {engine.decode_steps} decoding steps of "
         f"{engine.decode_rows / max(1, engine.decode_steps):.1f} rows, least time {least:.1f} s"
     )
-    return tokens / st.seconds, note, tokens / least
+    alone = matmuls_alone_seconds(engine, gflops, DTYPES[dtype])
+    return tokens / st.seconds, note, tokens / least, tokens / alone
 
 
 def stage_script(cmd: list[str], pattern: str) -> float | None:
@@ -167,7 +199,7 @@ def run_stages(dtype: str, gflops: float, gbs: float) -> Table:
     for col in ("stage", "tokens/s", "limit tokens/s", "measured / limit", "target", "notes"):
         table.add_column(col, justify="left" if col in ("stage", "notes") else "right")
     with tempfile.TemporaryDirectory(prefix="bench_roofline_") as tmp:
-        gen, note, gen_limit = stage_generate(model, dtype, Path(tmp), gflops, gbs)
+        gen, note, gen_limit, gen_alone = stage_generate(model, dtype, Path(tmp), gflops, gbs)
     sft = stage_script(
         ["benchmarks/bench_sft.py", "--rows", "8", "--only", f"verl-{dtype}"],
         rf"verl-{dtype}: (\d+) tokens/s",
@@ -181,6 +213,7 @@ def run_stages(dtype: str, gflops: float, gbs: float) -> Table:
     rows = [
         ("generate (hf engine)", gen, fwd, note),
         ("generate, decode-aware limit", gen, gen_limit, f"read bandwidth {gbs:.1f} GB/s"),
+        ("generate, its matmuls alone", gen, gen_alone, "each step's linear layers at its rows"),
         ("SFT step (verl)", sft, fwd_bwd, "bench_sft.py --rows 8"),
         # bench_train times the update only (forward + backward): old log-probs are not timed
         ("train update (verl)", train, fwd_bwd, "bench_train.py --rows 8, fwd+bwd"),

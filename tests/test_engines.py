@@ -411,6 +411,7 @@ def test_hf_counts_its_decoding_steps_rows_and_kv_read(hf):
     (gen,) = run(gather_close(engine, [request]))
     m, p = len(gen.token_ids), len(ids)
     assert m == 9 and engine.decode_steps == engine.decode_rows == m - 1
+    assert engine.decode_batches == {1: m - 1}
     assert engine.decode_kv_slots == sum(p + j for j in range(1, m))
 
 

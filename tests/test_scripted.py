@@ -315,3 +315,42 @@ def test_explainer_picks_script_counts_greedy_picks_and_copies():
     c = mod.pick_stats(flipped)
     assert c["with_picks"] == c["picks_greedy"] == c["proposal_copies"] == 20  # same pairs
     assert c["first_largest"] == 0
+
+
+def test_asker_asks_its_unknown_cells_then_picks_from_the_answers_and_proposes_the_picks():
+    """asker + shy: direct questions about the cells the asker does not know, in table order, at
+    most 2(n - 1); then picks over its own values and shy's answers (greedy_picks); then a
+    proposal of exactly those pairs. picker plays the same without the questions, and asking is
+    worth its actions against shy."""
+    from selfplay.game.matching.scripted import format_picks, greedy_picks, parse_picks
+
+    for seed in range(20):
+        (g,) = play_scripted(
+            MATCHING, ("asker", "shy"), num_games=1, seed=seed, n=3, max_actions=20
+        )
+        s = g.scenario
+        view, theirs = s.view(0), s.view(1)
+        unknown = [(r, p) for r in range(3) for p in range(3) if view[r][p] is None][:4]
+        asked = [a.text for a in g.actions[0 : 2 * len(unknown) : 2]]
+        assert asked == [
+            f"[message] What is the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}?"
+            for r, p in unknown
+        ]
+        answers = {(r, p): theirs[r][p] for r, p in unknown if theirs[r][p] is not None}
+        picks = g.actions[2 * len(unknown)]
+        assert picks.text == "[message] " + format_picks(greedy_picks(view, answers))
+        proposal = g.actions[2 * len(unknown) + 2]
+        assert sorted(proposal.proposal) == parse_picks(picks.text, 3)
+        (p,) = play_scripted(
+            MATCHING, ("picker", "shy"), num_games=1, seed=seed, n=3, max_actions=20
+        )
+        assert p.actions[0].text == "[message] " + format_picks(greedy_picks(view, {}))
+        assert not any("?" in a.text for a in p.actions)
+    score = {
+        name: evaluate_scripted(
+            MATCHING, (name, "shy"), num_games=60, seed=7, n=3, max_actions=20
+        ).summary
+        for name in ("asker", "picker")
+    }
+    assert score["asker"].direct_questions_per_game > 3 and score["picker"].questions_per_game == 0
+    assert score["asker"].reward_mean > score["picker"].reward_mean + 0.03

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +145,10 @@ class HFEngine:
         self.prefilled_tokens = 0  # prompt tokens fed through the model
         self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
         self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
-        # decoding: steps, rows computed (dead ones too) and KV positions read (rows x width)
+        # decoding: steps, rows computed (dead ones too) and KV positions read (rows x width);
+        # decode_batches: steps by their rows (matmul speed depends on the rows of a step)
         self.decode_steps = self.decode_rows = self.decode_kv_slots = 0
+        self.decode_batches: Counter[int] = Counter()
         self._cache_layers = _plain_cache_layers(self.model)
         budget = config.prefix_cache_tokens
         if budget is None:
@@ -218,6 +220,7 @@ class HFEngine:
                 run.last_pos = run.last_pos.clamp(max=self.max_context - 1)
             self.decode_steps += 1
             self.decode_rows += run.attn.shape[0]
+            self.decode_batches[run.attn.shape[0]] += 1
             self.decode_kv_slots += run.attn.numel()
             out = self.model(
                 input_ids=run.tok[:, None],

@@ -22,6 +22,13 @@ plays a fixed policy:
   other seat proposes exactly those pairs; it accepts its own picks, otherwise judges like
   ``cooperative``. Greedy on the raw values, so weaker than ``cooperative``, but each step is a
   comparison of numbers in the dialogue and the proposal a copy of the message.
+- ``asker``: the explainer's plan against a partner who only answers direct questions: never
+  volunteers its table; asks about the cells it does not know, in table order, at most 2(n - 1)
+  ("What is the score for Ava Li on BLEU?"); then says its picks over its own values and the
+  answers, highest first, as the explainer does; proposes them, and after a rejection the best
+  assignment not yet rejected (as ``inquisitive``). Answers the partner's questions honestly.
+- ``picker``: ``asker`` without the questions: its picks come from its own values alone. The pair
+  isolates what asking adds (against ``shy``, 3x3: about 0.84 against 0.76).
 
 Partner values come in the partner's scale: the cooperative player estimates the ratio of the
 two scales from cells both know (or from the means when none overlap) before merging.
@@ -55,6 +62,8 @@ SCRIPTED_NAMES: tuple[str, ...] = (
     "random",
     "inquisitive",
     "explainer",
+    "asker",
+    "picker",
 )
 
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
@@ -430,6 +439,28 @@ def parse_picks(text: str, n: int) -> Pairs | None:
     return sorted(pairs)
 
 
+def greedy_picks(
+    view: list[list[int | None]], stated: dict[tuple[int, int], int]
+) -> list[tuple[int, int, int | None]]:
+    """Largest known value first (the seat's own value wins a cell both know), skipping used
+    reviewers and papers; then the reviewers and papers left, in order, without a value."""
+    known = dict(stated)
+    known.update(
+        {(r, p): v for r, row in enumerate(view) for p, v in enumerate(row) if v is not None}
+    )
+    steps: list[tuple[int, int, int | None]] = []
+    rows: set[int] = set()
+    cols: set[int] = set()
+    for (r, p), v in sorted(known.items(), key=lambda kv: (-kv[1], kv[0])):
+        if r not in rows and p not in cols:
+            steps.append((r, p, v))
+            rows.add(r)
+            cols.add(p)
+    n = len(view)
+    left = zip((r for r in range(n) if r not in rows), (p for p in range(n) if p not in cols))
+    return steps + [(r, p, None) for r, p in left]
+
+
 class Explainer(Cooperative):
     name = "explainer"
 
@@ -446,29 +477,7 @@ class Explainer(Cooperative):
             self.suggested = parse_picks(body, self.n) or self.suggested
 
     def greedy(self) -> list[tuple[int, int, int | None]]:
-        """Largest known value first (own values win a cell both state), skipping used reviewers
-        and papers; then the reviewers and papers left, in order, without a value."""
-        known = dict(self.stated)
-        known.update(
-            {
-                (r, p): v
-                for r, row in enumerate(self.view)
-                for p, v in enumerate(row)
-                if v is not None
-            }
-        )
-        steps: list[tuple[int, int, int | None]] = []
-        rows: set[int] = set()
-        cols: set[int] = set()
-        for (r, p), v in sorted(known.items(), key=lambda kv: (-kv[1], kv[0])):
-            if r not in rows and p not in cols:
-                steps.append((r, p, v))
-                rows.add(r)
-                cols.add(p)
-        left = zip(
-            (r for r in range(self.n) if r not in rows), (p for p in range(self.n) if p not in cols)
-        )
-        return steps + [(r, p, None) for r, p in left]
+        return greedy_picks(self.view, self.stated)
 
     def decide(self) -> str:
         steps = self.greedy()
@@ -483,6 +492,49 @@ class Explainer(Cooperative):
             self.picked = True
             return "[message] " + format_picks(steps)
         return self.propose(mine)
+
+
+class Asker(Inquisitive):
+    name = "asker"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, max_questions=None, **kw):
+        limit = 2 * (scenario.n - 1) if max_questions is None else max_questions
+        super().__init__(scenario, seat, seed, max_questions=limit, **kw)
+        self.picked = False
+
+    def question(self) -> tuple[int, int] | None:
+        """The next cell this seat does not know and has not asked about, in table order."""
+        if len(self.asked) >= self.max_questions:
+            return None
+        cells = ((r, p) for r in range(self.n) for p in range(self.n))
+        return next(
+            (
+                c
+                for c in cells
+                if self.view[c[0]][c[1]] is None
+                and c not in self.asked
+                and c not in self.partner_values
+            ),
+            None,
+        )
+
+    def decide(self) -> str:
+        if self.pending is not None or self.questions or self.question() is not None:
+            return super().decide()  # judge a proposal, answer, or ask
+        steps = greedy_picks(self.view, self.partner_values)
+        if not self.picked:
+            self.picked = True
+            return "[message] " + format_picks(steps)
+        picks = sorted((r, p) for r, p, _ in steps)
+        self.proposed = picks if picks not in self.rejected else self.best_untried(self.merged())
+        return self.propose(self.proposed)
+
+
+class Picker(Asker):
+    name = "picker"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, **kw) -> None:
+        super().__init__(scenario, seat, seed, max_questions=0, **kw)
 
 
 def _index(names, text: str) -> int | None:
@@ -508,6 +560,10 @@ def make_scripted(
             return Inquisitive(scenario, seat, seed, ranked=ranked)
         case "explainer":
             return Explainer(scenario, seat, seed, ranked=ranked)
+        case "asker":
+            return Asker(scenario, seat, seed, ranked=ranked)
+        case "picker":
+            return Picker(scenario, seat, seed, ranked=ranked)
         case _:
             raise ValueError(
                 f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
