@@ -405,6 +405,10 @@ class Inquisitive(Cooperative):
             return f"[message] {answers} {ask}".replace("  ", " ").replace("] ", "] ", 1)
         if answers:
             return f"[message] {answers}"
+        return self.conclude()
+
+    def conclude(self) -> str:
+        """The move once nothing is left to ask or answer: the best assignment not yet rejected."""
         self.proposed = self.best_untried(self.merged())
         return self.propose(self.proposed)
 
@@ -518,9 +522,9 @@ class Asker(Inquisitive):
             None,
         )
 
-    def decide(self) -> str:
-        if self.pending is not None or self.questions or self.question() is not None:
-            return super().decide()  # judge a proposal, answer, or ask
+    def conclude(self) -> str:
+        """Say the picks over its values and the answers once, then propose them (after a
+        rejection, the best assignment not yet rejected)."""
         steps = greedy_picks(self.view, self.partner_values)
         if not self.picked:
             self.picked = True
