@@ -145,15 +145,23 @@ class HFEngine:
         self.prefilled_tokens = 0  # prompt tokens fed through the model
         self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
         self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
-        # decoding: steps, rows computed (dead ones too) and KV positions read (rows x width);
-        # decode_batches: steps by their rows (matmul speed depends on the rows of a step)
-        self.decode_steps = self.decode_rows = self.decode_kv_slots = 0
+        # decoding: steps by their rows (dead ones too; matmul speed depends on a step's rows)
+        # and KV positions read (rows x width); decode_steps and decode_rows follow from them
         self.decode_batches: Counter[int] = Counter()
+        self.decode_kv_slots = 0
         self._cache_layers = _plain_cache_layers(self.model)
         budget = config.prefix_cache_tokens
         if budget is None:
             budget = _auto_prefix_budget(self.model, str(self.device))
         self.prefix_cache = PrefixCache(budget) if budget and self._cache_layers else None
+
+    @property
+    def decode_steps(self) -> int:
+        return self.decode_batches.total()
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(rows * steps for rows, steps in self.decode_batches.items())
 
     async def start(self) -> None:
         return None
@@ -218,8 +226,6 @@ class HFEngine:
             run.last_pos = run.last_pos + 1
             if self.max_context is not None:  # a dead row's position may run past the context
                 run.last_pos = run.last_pos.clamp(max=self.max_context - 1)
-            self.decode_steps += 1
-            self.decode_rows += run.attn.shape[0]
             self.decode_batches[run.attn.shape[0]] += 1
             self.decode_kv_slots += run.attn.numel()
             out = self.model(
