@@ -73,15 +73,12 @@ def view_ranked(scenario: Scenario, seat: int) -> str:
     return "\n".join(lines) or "none"
 
 
-_VIEWS = {"lines": view_lines, "ranked": view_ranked}
+_VIEWS = {"csv": Scenario.view_csv, "lines": view_lines, "ranked": view_ranked}
 
 
 def intro(scenario: Scenario, seat: int, table_format: str = "csv") -> str:
     """The first thing a seat is shown: instructions, its table, and who moves first."""
-    if table_format == "csv":
-        table = scenario.view_csv(seat)
-    else:
-        table = _VIEWS[table_format](scenario, seat)
+    table = _VIEWS[table_format](scenario, seat)
     rules = INSTRUCTIONS.format(n=scenario.n, unknown=_UNKNOWN[table_format])
     text = rules + "\n\n" + TABLE_HEADER + "\n" + table
     return text + ("\n\n" + YOU_START if seat == 0 else "")
