@@ -41,6 +41,7 @@ Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import statistics
@@ -77,15 +78,21 @@ TARGET = 0.6
 BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
+def median_seconds(fn, warmup: int, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def matmul_gflops(tokens: int, k: int, n: int, dtype, warmup: int, repeats: int) -> float:
     a, b = torch.randn(tokens, k).to(dtype), torch.randn(k, n).to(dtype)
-    times = []
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return 2 * tokens * k * n / statistics.median(times) / 1e9
+    return 2 * tokens * k * n / median_seconds(lambda: torch.matmul(a, b), warmup, repeats) / 1e9
 
 
 def effective_gflops(rates: dict[str, float]) -> float:
@@ -97,12 +104,7 @@ def effective_gflops(rates: dict[str, float]) -> float:
 def read_gbs(repeats: int = 5) -> float:
     """Memory read bandwidth in GB/s: the median time of summing a 1 GiB fp32 tensor."""
     x = torch.ones(2**28)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * x.element_size() / statistics.median(times[1:]) / 1e9
+    return x.numel() * x.element_size() / median_seconds(x.sum, 1, repeats) / 1e9
 
 
 def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
@@ -125,13 +127,8 @@ def linear_seconds(rows: int, dtype, repeats: int) -> float:
     total = 0.0
     for _, k, n, count in SHAPES:
         x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
-        times = []
-        for i in range(2 + repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        total += statistics.median(times) * count
+        linear = functools.partial(torch.nn.functional.linear, x, w)
+        total += median_seconds(linear, 2, repeats) * count
     return total
 
 
