@@ -406,3 +406,31 @@ def test_changed_configuration_error_shows_a_left_out_setting_as_its_default(tmp
     assert "warm_start_epochs: 2 -> 1 (default)" in str(err.value)
     assert "warm_start_mini_batch_size: 4 (default) -> 2" in str(err.value)
     assert "None" not in str(err.value)
+
+
+def test_no_eval_initial_skips_only_the_initial_models_evaluation_and_may_change_on_resume(
+    tmp_path,
+):
+    """`--no-eval-initial` leaves out the held-out pass over the model before the warm start (no
+    child is started: `heldout_stage` returns before it), not a round's; a run resumes with it
+    turned either way."""
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.heldout import heldout_stage
+    from selfplay.iterate.resume import Run
+
+    cfg = IterateConfig(
+        name="x", model="m", engine={"kind": "hf", "model": "m"}, iterations=1, games_per_iter=2,
+        data_root=tmp_path, checkpoint_root=tmp_path, warm_start="scripted:cooperative:4",
+        eval_scenarios=4, eval_initial=False,
+    )  # fmt: skip
+    run = Run(cfg)
+    run.save()
+    assert heldout_stage(cfg, None, "m", run.manifest) is None
+
+    class Child:  # a round's evaluation goes on: it reaches the child
+        def run(self, *args):
+            raise RuntimeError("evaluated")
+
+    with pytest.raises(RuntimeError, match="evaluated"):
+        heldout_stage(cfg, 0, "m", run.manifest, Child())
+    assert Run(cfg.model_copy(update={"eval_initial": True})).manifest.heldout_initial is None

@@ -146,6 +146,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         30, ge=0, description="Held-out scenarios each round's model plays greedily (0: none)."
     )
     eval_seed: int = Field(7, ge=0, description="Picks the held-out scenarios.")
+    eval_initial: bool = Field(
+        True,
+        description="Also evaluate the initial model, before the warm start (off: one held-out "
+        "pass fewer where its answer is known, such as an instruct model that never tags a reply).",
+    )
     loggers: tuple[str, ...] = Field(
         (), description="Experiment trackers, as verl names them: console, tensorboard, wandb..."
     )
@@ -245,7 +250,7 @@ class IterateConfig(GenerateOptions, ConvertOptions):
 
 
 # Options a resume may change: more rounds, a higher partner call cap, another key variable.
-RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env", "loggers")
+RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env", "loggers", "eval_initial")
 
 
 # Options added after the first runs, with the value those runs had: a manifest written before

@@ -131,11 +131,14 @@ def heldout_stage(
 ) -> tuple[HeldOut, dict[str, HeldOut]] | None:
     """The held-out result of ``model`` after ``k`` rounds (None: the initial model, before the
     warm start) and the baselines when the run has none yet; None when there is nothing to do
-    (no held-out scenarios, or already evaluated). A model that a skipped round carried forward
-    keeps its result. Runs in ``child`` when given (the loop's child, kept for the next round's
-    generate with the same model), else in a child of its own."""
+    (no held-out scenarios, the initial model with ``eval_initial`` off, or already evaluated).
+    A model that a skipped round carried forward keeps its result. Runs in ``child`` when given
+    (the loop's child, kept for the next round's generate with the same model), else in a child
+    of its own."""
     held = manifest.heldout
-    if cfg.eval_scenarios == 0 or (k in held if k is not None else manifest.heldout_initial):
+    if cfg.eval_scenarios == 0 or (k is None and not cfg.eval_initial):
+        return None
+    if k in held if k is not None else manifest.heldout_initial:
         return None
     if k and (k - 1) in held and held[k - 1].model == model:
         return held[k - 1], {}
