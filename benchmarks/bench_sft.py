@@ -8,6 +8,8 @@ Builds behaviour-cloning rows of scripted cooperative 3x3 games for the embedded
   fp32 and bf16 autocast;
 - LoRA: a verl variant with a ``-loraR`` suffix (``verl-bf16-lora16``) trains rank-R adapters on
   every linear layer (``--lora-rank``) instead of every weight;
+- LM head: verl variants run it at the trained positions only (``lm_head_positions``); an
+  ``-allhead`` suffix (``verl-fp32-allhead``) runs it at every position, as verl does;
 - attention: verl variants run ``attn_implementation="auto"`` (``sdpa_packed``: one causal SDPA
   call per packed row); a ``-sdpa`` suffix (``verl-bf16-sdpa``) runs transformers' ``sdpa``, which
   attends over the whole packed micro-batch through a block-diagonal mask.
@@ -115,6 +117,7 @@ def main() -> None:
         rank = int(lora[0].removeprefix("lora")) if lora else 0
         tcfg = TrainConfig(
             attn_implementation="sdpa" if "sdpa" in options else "auto",
+            lm_head_positions="all" if "allhead" in options else "trained",
             lora_rank=rank,
             lora_alpha=2 * rank or 16,
             data=rows_path,

@@ -279,3 +279,47 @@ def test_a_full_disk_leaves_nothing_half_written_and_a_retry_works(tmp_path, mon
     result = trainer.train(cfg)
     assert result.model_dir == out and (out / "config.json").exists()
     assert json.loads((out / "metrics.json").read_text())["config"]["out"] == str(out)
+
+
+def test_lm_head_at_trained_positions_gives_the_full_heads_loss_and_update(
+    tiny_model, tmp_path, monkeypatch
+):
+    """`lm_head_positions="trained"` runs the LM head only where the next token is trained; the
+    PPO loss, the SFT loss and the weights after an update equal those of verl's full head."""
+    from selfplay.train import lm_head
+    from selfplay.train.workers import LocalWorkers, sft_inputs, update_inputs
+
+    kept: list[tuple[int, int]] = []
+    real = lm_head.kept_positions
+
+    def record(micro_batch, total):
+        index = real(micro_batch, total)
+        kept.append((total, -1 if index is None else len(index)))
+        return index
+
+    monkeypatch.setattr(lm_head, "kept_positions", record)
+    rows = planted_rows()
+    got = {}
+    for mode in ("all", "trained"):
+        cfg = TrainConfig(
+            data=tmp_path / "x.parquet", model=str(tiny_model), out=tmp_path / mode, lr=1e-3,
+            micro_batch_size=2, lm_head_positions=mode,
+        )  # fmt: skip
+        workers = LocalWorkers(cfg, total_steps=10)
+        batch = batch_with_advantages(rows)
+        batch["old_log_probs"] = workers.log_probs(batch)["log_probs"] - 0.05  # ratios off 1
+        ppo = workers.loss(batch)
+        workers.update(update_inputs(batch), mini_batch_size=len(batch["prompts"]), seed=0)
+        weights = workers.full_state_dict()
+        workers.use_sft_loss()
+        sft = workers.loss(sft_inputs(batch))
+        got[mode] = ppo, sft, weights
+        workers.close()
+    # the trained mode kept the mask-1 positions only: 3 of each row's 9 (PROMPT + response)
+    assert kept and all(n == 3 * total // 9 for total, n in kept), kept
+    assert got["trained"][0] == pytest.approx(got["all"][0], rel=1e-5, abs=1e-7)
+    assert got["trained"][1] == pytest.approx(got["all"][1], rel=1e-5)
+    # float rounding only: Adam turns a gradient near its epsilon into a step of about lr (1e-3)
+    # either way, so a weight may differ by a small fraction of one step
+    for name, value in got["all"][2].items():
+        torch.testing.assert_close(got["trained"][2][name], value, rtol=1e-5, atol=1e-5)

@@ -171,6 +171,12 @@ class TrainConfig(TrainerOptions):
     remove_padding: bool = Field(
         True, description="pack rows without padding (verl's rmpad path); False: padded batches"
     )
+    lm_head_positions: Literal["trained", "all"] = Field(
+        "trained",
+        description="where a training forward runs the LM head: trained = only at the positions "
+        "whose next token the loss trains on (the same loss, fewer FLOPs; in-process launcher), "
+        "all = every position, as verl does (selfplay/train/lm_head.py)",
+    )
     gradient_checkpointing: bool = False
     seed: int = Field(0, ge=0, description="Seed of the update (row order, initialisation).")
     max_length: int | None = Field(

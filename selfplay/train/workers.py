@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from selfplay.train import lm_head
 from selfplay.train.batch import from_nested, to_tensordict
 from selfplay.train.config import PACKED_SDPA, TrainConfig
 
@@ -124,6 +125,7 @@ class _Calls:
     ref: Any
     config: Any  # verl's actor_rollout_ref config the workers were built from
     temperature: float = 1.0  # the policy is scored at log-softmax(logits / temperature)
+    lm_head_trained = False  # training forwards run the LM head at trained positions only
 
     def log_probs(self, batch: dict[str, torch.Tensor], entropy: bool = False) -> dict:
         td = to_tensordict(
@@ -155,7 +157,8 @@ class _Calls:
             temperature=self.temperature,
             **_meta(compute_loss=True, global_batch_size=len(batch["prompts"])),
         )
-        out = self.actor.compute_log_prob(td)
+        with lm_head.positions(self.lm_head_trained):
+            out = self.actor.compute_log_prob(td)
         return float(tu.get(out, "metrics")["loss"])
 
     def update(
@@ -180,7 +183,8 @@ class _Calls:
             seed=seed,
             dataloader_kwargs={"shuffle": False},
         )
-        out = self.actor.update_actor(td)
+        with lm_head.positions(self.lm_head_trained):
+            out = self.actor.update_actor(td)
         return tu.get(out, "metrics")
 
     def use_sft_loss(self) -> None:
@@ -349,6 +353,7 @@ class LocalWorkers(_Calls):
         config = worker_config(cfg, total_steps)
         self.config = config
         self.temperature = cfg.policy_temperature
+        self.lm_head_trained = cfg.lm_head_positions == "trained"
         self.ref = None
         with _restored_environ():
             _init_single_process_group(cfg.device)

@@ -1,0 +1,119 @@
+"""The LM head only at the positions the loss reads (``TrainConfig.lm_head_positions``).
+
+verl's FSDP engine computes the logits of every token of a packed micro-batch, prompt and partner
+turns included, and the loss then reads the log-probs of the trained tokens alone: the seat's own
+generated tokens, about an eighth of a row of our games. On SmolLM2-135M the LM head (576 x 49,152)
+is a fifth of a forward pass's FLOPs and runs slower than the layers' matmuls on a CPU, so most of
+that work is thrown away.
+
+With ``lm_head_positions="trained"`` a training forward (an update, or ``Workers.loss``: verl's
+``compute_loss``) passes transformers' own ``logits_to_keep`` (a tensor of positions) to the model:
+the head runs on the positions whose next token is trained (``loss_mask`` rolled by one, as verl's
+losses read it), and the logits are scattered back into a zero tensor of the full packed length,
+so verl's log-softmax, gathering and losses run unchanged. The positions left at zero get a log-prob
+of -log(vocabulary) (finite) that every loss multiplies by a mask of 0, so the loss and its
+gradients are the ones of the full head (``tests/test_train.py`` compares an update under both).
+Forward-only scoring (old and reference log-probs, entropy reports) keeps every position.
+
+Pinned to verl 0.9.1's ``FSDPEngineWithLMHead`` (``selfplay.train.compat`` checks the version);
+the in-process launcher (CPU, one GPU) applies it; Ray workers run verl's full head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+_KEPT = "selfplay_logits_kept"
+_state = {"trained": False}
+
+
+@contextlib.contextmanager
+def positions(trained: bool) -> Iterator[None]:
+    """Within the block, training forwards in this process run the LM head at the trained
+    positions only (``trained``) or at every position."""
+    if trained:
+        install()
+    before = _state["trained"]
+    _state["trained"] = trained
+    try:
+        yield
+    finally:
+        _state["trained"] = before
+
+
+def kept_positions(micro_batch, total: int) -> torch.Tensor | None:
+    """Indices into the packed sequence (length ``total``) of the positions whose next token the
+    loss trains on; None when the micro-batch does not say (then every position is kept)."""
+    mask = micro_batch.get("loss_mask", None)
+    if mask is not None and mask.is_nested:  # SFT: a full-sequence mask, packed like input_ids
+        flat = mask.values()
+    else:  # PPO: the response mask, padded, beside the padded attention mask
+        response = micro_batch.get("response_mask", None)
+        attention = micro_batch.get("attention_mask", None)
+        prompts = micro_batch.get("prompts", None)
+        if response is None or attention is None or prompts is None:
+            return None
+        if response.is_nested or attention.is_nested or prompts.is_nested:
+            return None
+        prompt_part = torch.zeros_like(attention[:, : prompts.shape[1]])
+        full = torch.cat([prompt_part, response.to(attention.dtype)], dim=1)
+        flat = full[attention.bool()]
+    if flat.numel() != total:  # padded to a bucket or split for sequence parallelism
+        return None
+    needed = torch.roll(flat.bool(), shifts=-1, dims=0)  # position t predicts token t + 1
+    if not needed.any():
+        return None
+    return needed.nonzero().squeeze(-1)
+
+
+def _applies(engine, micro_batch) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    def flag(key: str, default: bool) -> bool:
+        return bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=default))
+
+    return (
+        _state["trained"]
+        and flag("compute_loss", False)
+        and flag("use_remove_padding", True)
+        and not flag("use_fused_kernels", False)
+        and not flag("calculate_sum_pi_squared", False)
+        and not flag("distillation_use_topk", False)
+        and not getattr(engine, "use_ulysses_sp", False)
+    )
+
+
+@functools.cache
+def install() -> None:
+    """Wrap verl's engine once per process; it stays inert until ``positions(True)``."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    inputs = FSDPEngineWithLMHead.prepare_model_inputs
+    outputs = FSDPEngineWithLMHead.prepare_model_outputs
+
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = inputs(self, micro_batch)
+        if _applies(self, micro_batch):
+            total = model_inputs["input_ids"].shape[-1]
+            kept = kept_positions(micro_batch, total)
+            if kept is not None:
+                kept = kept.to(model_inputs["input_ids"].device)
+                model_inputs["logits_to_keep"] = kept
+                output_args[_KEPT] = (kept, total)
+        return model_inputs, output_args
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        kept = output_args.pop(_KEPT, None)
+        if kept is not None:
+            index, total = kept
+            logits = output.logits
+            full = logits.new_zeros(logits.shape[0], total, logits.shape[-1])
+            output.logits = full.index_copy(1, index, logits)
+        return outputs(self, output, output_args, micro_batch, logits_processor_func)
+
+    FSDPEngineWithLMHead.prepare_model_inputs = prepare_model_inputs
+    FSDPEngineWithLMHead.prepare_model_outputs = prepare_model_outputs
