@@ -199,6 +199,11 @@ def _temperature(table: pa.Table) -> np.ndarray | None:
     return np.asarray([np.nan if t is None else t for t in values], dtype=np.float64)
 
 
+def full_sequence_mask(prompts: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response mask placed over the whole padded sequence [B, P+R]: 0 on the prompt."""
+    return torch.cat([torch.zeros_like(prompts), response_mask], dim=1)
+
+
 def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
     """Pad rows into verl's tensor layout (see the module docstring)."""
     b = len(rows)

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from selfplay.train.batch import full_sequence_mask
+
 _KEPT = "selfplay_logits_kept"
 _state = {"trained": False}
 
@@ -59,9 +61,7 @@ def kept_positions(micro_batch, total: int) -> torch.Tensor | None:
             return None
         if response.is_nested or attention.is_nested or prompts.is_nested:
             return None
-        prompt_part = torch.zeros_like(attention[:, : prompts.shape[1]])
-        full = torch.cat([prompt_part, response.to(attention.dtype)], dim=1)
-        flat = full[attention.bool()]
+        flat = full_sequence_mask(prompts, response)[attention.bool()]
     if flat.numel() != total:  # padded to a bucket or split for sequence parallelism
         return None
     needed = torch.roll(flat.bool(), shifts=-1, dims=0)  # position t predicts token t + 1

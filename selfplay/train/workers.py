@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from selfplay.train import lm_head
-from selfplay.train.batch import from_nested, to_tensordict
+from selfplay.train.batch import from_nested, full_sequence_mask, to_tensordict
 from selfplay.train.config import PACKED_SDPA, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -246,8 +246,7 @@ def sft_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of an SFT update: the model inputs and ``sft_loss_mask`` [B, P+R], the
     response mask placed over the whole sequence (0 on the prompt), as verl's SFT loss wants it."""
     inputs = _model_inputs(batch)
-    prompt = torch.zeros_like(batch["prompts"])
-    inputs["sft_loss_mask"] = torch.cat([prompt, batch["response_mask"]], dim=1)
+    inputs["sft_loss_mask"] = full_sequence_mask(batch["prompts"], batch["response_mask"])
     return inputs
 
 
