@@ -97,6 +97,41 @@ def test_lines_view_lists_each_known_cell_as_the_scripted_messages_name_it():
             )
 
 
+def test_short_game_differs_from_lines_only_in_the_rules_text_and_is_shorter():
+    """matching-short is matching-lines with the five-sentence rules: the table, the start line and
+    every scripted decision are the same; the rules still name every tag and the proposal form;
+    SmolLM2's tokenizer is not needed to see that the text is at most half as long."""
+    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.game import GAMES
+    from selfplay.game.matching.prompts import INSTRUCTIONS, SHORT_INSTRUCTIONS
+
+    lines_game, short = GAMES["matching-lines"], GAMES["matching-short"]
+    for seed in range(10):
+        s = generate_scenario(seed, 3 + seed % 6)
+        for seat in (0, 1):
+            full_rules = INSTRUCTIONS.format(n=s.n, unknown="cells not listed")
+            short_rules = SHORT_INSTRUCTIONS.format(n=s.n, unknown="cells not listed")
+            shown = short.intro(s, seat)
+            assert shown == lines_game.intro(s, seat).replace(full_rules, short_rules)
+            assert shown.startswith(f"Assign {s.n} reviewers to {s.n} papers")
+            assert len(short_rules) * 2 <= len(full_rules)
+            for tag in (
+                "[message]",
+                "[propose] Proposal:",
+                "Paper: Reviewer",
+                "[accept]",
+                "[reject]",
+            ):
+                assert tag in shown
+            assert ("You start the conversation." in shown) == (seat == 0)
+    for players in (("cooperative", "cooperative"), ("cooperative", "shy")):
+        a, b = (
+            evaluate_scripted(GAMES[g], players, num_games=20, seed=5, n=3, max_actions=10)
+            for g in ("matching-lines", "matching-short")
+        )
+        assert a.summary.reward_mean == b.summary.reward_mean
+
+
 def _game(n=8, **kw) -> Game:
     return Game(generate_scenario(11, n), **kw)
 

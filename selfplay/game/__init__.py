@@ -11,7 +11,7 @@ from pydantic import AfterValidator, ValidationInfo
 
 from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
-from selfplay.game.matching import MATCHING, MATCHING_LINES, MATCHING_RANKED
+from selfplay.game.matching import MATCHING, MATCHING_LINES, MATCHING_RANKED, MATCHING_SHORT
 from selfplay.game.matching.rules import (
     PAPERS,
     PAPERS_SHORT,
@@ -28,7 +28,7 @@ from selfplay.game.matching.turns import Action, Game, StepResult
 
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
 GAMES: dict[str, DialogueGame] = {
-    game.name: game for game in (MATCHING, MATCHING_LINES, MATCHING_RANKED)
+    game.name: game for game in (MATCHING, MATCHING_LINES, MATCHING_RANKED, MATCHING_SHORT)
 }
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
@@ -67,6 +67,7 @@ __all__ = [
     "MATCHING",
     "MATCHING_LINES",
     "MATCHING_RANKED",
+    "MATCHING_SHORT",
     "PAPERS",
     "PAPERS_SHORT",
     "REVIEWERS",

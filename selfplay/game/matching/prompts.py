@@ -22,6 +22,17 @@ with exactly one tag: "[message] your text" to talk, "[propose] Proposal:" follo
 proposal. The game ends when a proposal is accepted; your shared score is its total similarity \
 divided by the best possible, out of 1.0."""
 
+# The same rules in five sentences (the matching-short game): about 100 tokens instead of 205 with
+# SmolLM2's tokenizer, for runs where the prompt is most of what the model reads and trains on
+# (three quarters of a 3x3 row's tokens with the full text).
+SHORT_INSTRUCTIONS = """\
+Assign {n} reviewers to {n} papers, one reviewer per paper, for the highest total similarity. \
+You and your partner each see part of the table, in different scales; {unknown} are unknown to \
+you. Share what you know, then propose. Start every turn with one tag: "[message] text", \
+"[propose] Proposal:" then one "Paper: Reviewer" line per paper, "[accept]" or "[reject]". \
+Your shared score: the accepted proposal's total over the best possible."""
+INSTRUCTIONS_BY_STYLE = {"full": INSTRUCTIONS, "short": SHORT_INSTRUCTIONS}
+
 TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 # How a seat's table is shown: "csv", the reference's rendering (paper titles as column headers,
 # empty unknown cells), or "lines", one line per reviewer naming each known cell
@@ -45,6 +56,7 @@ def tokenizer_corpus() -> list[str]:
         *REVIEWERS,
         *PAPERS,
         *(INSTRUCTIONS.format(n=n, unknown=_UNKNOWN["csv"]) for n in range(3, 9)),
+        SHORT_INSTRUCTIONS.format(n=3, unknown=_UNKNOWN["lines"]),
     ]
 
 
@@ -76,10 +88,14 @@ def view_ranked(scenario: Scenario, seat: int) -> str:
 _VIEWS = {"csv": Scenario.view_csv, "lines": view_lines, "ranked": view_ranked}
 
 
-def intro(scenario: Scenario, seat: int, table_format: str = "csv") -> str:
-    """The first thing a seat is shown: instructions, its table, and who moves first."""
+def intro(
+    scenario: Scenario, seat: int, table_format: str = "csv", instructions: str = "full"
+) -> str:
+    """The first thing a seat is shown: instructions (``INSTRUCTIONS_BY_STYLE``), its table, and
+    who moves first."""
     table = _VIEWS[table_format](scenario, seat)
-    rules = INSTRUCTIONS.format(n=scenario.n, unknown=_UNKNOWN[table_format])
+    text = INSTRUCTIONS_BY_STYLE[instructions]
+    rules = text.format(n=scenario.n, unknown=_UNKNOWN[table_format])
     text = rules + "\n\n" + TABLE_HEADER + "\n" + table
     return text + ("\n\n" + YOU_START if seat == 0 else "")
 
