@@ -125,6 +125,46 @@ def test_shy_never_volunteers_and_judges_by_own_view():
     )
 
 
+def test_shy_strict_rejects_what_shy_accepts_between_its_two_bars():
+    """shy-strict is shy with a bar of 0.9 instead of 0.8: a proposal worth between 0.8 and 0.9 of
+    the best either can see is accepted by shy and rejected by shy-strict, one above 0.9 by both;
+    asked directly, both answer alike."""
+    import itertools
+
+    import numpy as np
+
+    from selfplay.game.matching.rules import best_assignment, format_proposal
+    from selfplay.game.matching.scripted import _expected, _value
+
+    seen = set()
+    for seed in range(60):
+        s = generate_scenario(seed, 3)
+        own = _expected(s.view(1))
+        best = best_assignment(own)[1]  # the bar's base, as shy computes it
+        for perm in itertools.permutations(range(3)):
+            pairs = list(enumerate(perm))
+            share = _value(own, pairs) / best
+            if not (0.8 < share < 0.9 or share > 0.9) or np.isclose(share, 0.9):
+                continue
+            move = "Partner: [propose] " + format_proposal(pairs, s.n)
+            shy, strict = make_scripted("shy", s, 1), make_scripted("shy-strict", s, 1)
+            assert strict.name == "shy-strict" and shy.name == "shy"
+            for player in (shy, strict):
+                _act(player, intro(s, 1))
+            got = (_act(shy, move), _act(strict, move))
+            want = ("[accept]", "[reject]") if share < 0.9 else ("[accept]", "[accept]")
+            assert got == want, (seed, perm, share)
+            seen.add(want)
+    assert seen == {("[accept]", "[reject]"), ("[accept]", "[accept]")}
+    question = f"Partner: [message] What is the score for {REVIEWERS[0]} on {PAPERS_SHORT[1]}?"
+    replies = set()
+    for name in ("shy", "shy-strict"):
+        player = make_scripted(name, SCENARIO, 1)
+        _act(player, intro(SCENARIO, 1))
+        replies.add(_act(player, question))
+    assert len(replies) == 1 and "Ava Li on" in replies.pop()
+
+
 def _named(pairs):
     from selfplay.game import PAPERS_SHORT, REVIEWERS
 

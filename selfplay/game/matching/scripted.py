@@ -8,7 +8,10 @@ plays a fixed policy:
   its own best estimate, a bar that drops by 0.1 with each proposal it has rejected.
 - ``no-talk``: immediately proposes its own solo optimum; accepts anything.
 - ``shy``: never volunteers; answers only a direct question naming one reviewer and one paper with
-  its own scaled value; judges proposals honestly by its own view.
+  its own scaled value; judges proposals honestly by its own view: accepts one worth at least 0.8
+  of the best it can see (unknown cells at its mean known value), rejects the others.
+- ``shy-strict``: ``shy`` whose bar is 0.9, so that proposing until it accepts pays less and
+  asking more (README, "Asking": where asking pays against shy).
 - ``random``: proposes a random valid assignment; accepts or rejects at random.
 - ``inquisitive``: asks its partner direct questions (one reviewer, one paper) about the cells it
   does not know that could change the best assignment (after one question on a cell it knows, to
@@ -59,6 +62,7 @@ SCRIPTED_NAMES: tuple[str, ...] = (
     "cooperative",
     "no-talk",
     "shy",
+    "shy-strict",
     "random",
     "inquisitive",
     "explainer",
@@ -249,9 +253,12 @@ class NoTalk(ScriptedPlayer):
 class Shy(ScriptedPlayer):
     name = "shy"
 
-    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, accept_fraction=0.8):
+    def __init__(
+        self, scenario: Scenario, seat: int, seed: int = 0, *, accept_fraction=0.8, name="shy"
+    ):
         super().__init__(scenario, seat, seed)
         self.accept_fraction = accept_fraction
+        self.name = name
         self.last_message: str | None = None
 
     def observe(self, kind: str, body: str) -> None:
@@ -558,6 +565,8 @@ def make_scripted(
             return NoTalk(scenario, seat, seed)
         case "shy":
             return Shy(scenario, seat, seed)
+        case "shy-strict":
+            return Shy(scenario, seat, seed, accept_fraction=0.9, name="shy-strict")
         case "random":
             return RandomPlayer(scenario, seat, seed)
         case "inquisitive":
