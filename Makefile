@@ -2,7 +2,7 @@
 .PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables of matching-short (the rules in five
-# sentences: 30% fewer tokens a row): a warm start (behaviour cloning of the scripted cooperative
+# sentences: 311 tokens a warm-start row instead of 442): a warm start (behaviour cloning of the scripted cooperative
 # policy through verl's SFT loss), then one GRPO self-play round of 8 games, both models evaluated
 # greedily on the same 16 held-out scenarios; the report: data/demo/REPORT.md.
 # Re-running resumes (a finished run only rewrites the report).

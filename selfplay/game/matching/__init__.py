@@ -86,9 +86,9 @@ MATCHING_LINES = MatchingLinesGame()
 
 class MatchingShortGame(MatchingLinesGame):
     """matching-lines with the rules in five sentences (``prompts.SHORT_INSTRUCTIONS``): the same
-    rules, scenarios, scripted players and rewards; a 3x3 seat's prompt is about 140 tokens
-    shorter than the csv game's (SmolLM2), which is most of the cost of a game where the prompt is
-    three quarters of a row (``make demo``)."""
+    rules, scenarios, scripted players and rewards; a 3x3 seat's prompt is about 130 tokens
+    shorter than the csv game's (SmolLM2: a warm-start row of ``make demo`` 311 tokens instead of
+    442), where the prompt is three quarters of a row."""
 
     name = "matching-short"
     instructions = "short"
