@@ -56,7 +56,6 @@ def tokenizer_corpus() -> list[str]:
         *REVIEWERS,
         *PAPERS,
         *(INSTRUCTIONS.format(n=n, unknown=_UNKNOWN["csv"]) for n in range(3, 9)),
-        SHORT_INSTRUCTIONS.format(n=3, unknown=_UNKNOWN["lines"]),
     ]
 
 
