@@ -93,8 +93,7 @@ def intro(
     """The first thing a seat is shown: instructions (``INSTRUCTIONS_BY_STYLE``), its table, and
     who moves first."""
     table = _VIEWS[table_format](scenario, seat)
-    text = INSTRUCTIONS_BY_STYLE[instructions]
-    rules = text.format(n=scenario.n, unknown=_UNKNOWN[table_format])
+    rules = INSTRUCTIONS_BY_STYLE[instructions].format(n=scenario.n, unknown=_UNKNOWN[table_format])
     text = rules + "\n\n" + TABLE_HEADER + "\n" + table
     return text + ("\n\n" + YOU_START if seat == 0 else "")
 

@@ -253,12 +253,9 @@ class NoTalk(ScriptedPlayer):
 class Shy(ScriptedPlayer):
     name = "shy"
 
-    def __init__(
-        self, scenario: Scenario, seat: int, seed: int = 0, *, accept_fraction=0.8, name="shy"
-    ):
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, *, accept_fraction=0.8):
         super().__init__(scenario, seat, seed)
         self.accept_fraction = accept_fraction
-        self.name = name
         self.last_message: str | None = None
 
     def observe(self, kind: str, body: str) -> None:
@@ -285,6 +282,13 @@ class Shy(ScriptedPlayer):
         if self.last_message:
             return "[message] " + self.answer(self.last_message)
         return "[message] Hello."
+
+
+class ShyStrict(Shy):
+    name = "shy-strict"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0) -> None:
+        super().__init__(scenario, seat, seed, accept_fraction=0.9)
 
 
 class RandomPlayer(ScriptedPlayer):
@@ -566,7 +570,7 @@ def make_scripted(
         case "shy":
             return Shy(scenario, seat, seed)
         case "shy-strict":
-            return Shy(scenario, seat, seed, accept_fraction=0.9, name="shy-strict")
+            return ShyStrict(scenario, seat, seed)
         case "random":
             return RandomPlayer(scenario, seat, seed)
         case "inquisitive":
