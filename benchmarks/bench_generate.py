@@ -10,9 +10,11 @@
       reload of one checkpoint (an untied copy of SmolLM2: vLLM keeps a tied head stale).
   (e) hf engine, SmolLM2-135M (or --model, e.g. a warm-started checkpoint): the same 64 games
       with 1 torch thread and with every core (the default), one process each.
-  (f) iterate's held-out evaluation (16 greedy games) then a round's generate (16 games) with the
-      same model (--model), each in a child of its own (as before) against both in one child
-      (iterate now: one start, one model load); separate, shared, separate again.
+  (f) iterate's held-out evaluation (16 greedy games) and a round's generate (16 games) with the
+      same model (--model): each in a child of its own, one after the other in one shared child
+      (one start, one model load), and together in one child on one engine, their requests in
+      shared batches (iterate's default, --eval-beside-generate); apart, shared, beside, shared,
+      beside.
 
 Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d,e,f] [--latency 0.25,0.5,1.0]
      [--model M --partner P --table-size N --max-actions A] (e; f takes --model)
@@ -278,16 +280,19 @@ def part_e(tmp: Path, args) -> list[tuple]:
 
 
 def part_f(tmp: Path, args) -> list[tuple]:
-    """A held-out evaluation and the next generate: a child each, or one shared child."""
-    from selfplay.iterate.child import StageChild, isolated
+    """A held-out evaluation and the next generate: a child each, one after the other in one
+    shared child, or together in one child on one engine (iterate's default)."""
+    from selfplay.iterate.child import StageChild, _default_generate, isolated
     from selfplay.iterate.config import IterateConfig
     from selfplay.iterate.heldout import _heldout_eval
-    from selfplay.iterate.stages import generate_stage
+    from selfplay.iterate.stages import beside_possible, generate_beside_heldout, generate_stage
     from selfplay.models import resolve_model
 
     model = resolve_model(args.model)
     rows, times = [], {}
-    for i, shared in enumerate((False, True, False)):
+    labels = {"apart": "a child each", "shared": "one child, one after the other",
+              "beside": "one child, together"}  # fmt: skip
+    for i, mode in enumerate(("apart", "shared", "beside", "shared", "beside")):
         cfg = IterateConfig(
             name=f"f{i}", iterations=1, model=model, engine={"kind": "hf", "model": model},
             data_root=tmp / "data", checkpoint_root=tmp / "ckpt", table_size=3,
@@ -295,24 +300,36 @@ def part_f(tmp: Path, args) -> list[tuple]:
             sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
         )  # fmt: skip
         start = time.perf_counter()
-        child = StageChild() if shared else None
-        job = (_heldout_eval, cfg, model, tmp / f"eval{i}", False)
-        (held, _), _ = child.run(*job) if child else isolated(*job)
-        evaluated = time.perf_counter()
-        generate_stage(cfg, 0, model, {}, child=child)
+        if mode == "beside":
+            assert beside_possible(cfg, _default_generate)
+            (held, _), _ = generate_beside_heldout(
+                cfg, 0, model, tmp / f"eval{i}", False, StageChild()
+            )
+            evaluated = None
+        else:
+            child = StageChild() if mode == "shared" else None
+            job = (_heldout_eval, cfg, model, tmp / f"eval{i}", False)
+            (held, _), _ = child.run(*job) if child else isolated(*job)
+            evaluated = time.perf_counter()
+            generate_stage(cfg, 0, model, {}, child=child)
         end = time.perf_counter()
-        label = "one shared child" if shared else "a child each"
-        times.setdefault(label, []).append(end - start)
+        times.setdefault(mode, []).append(end - start)
+        split = (
+            f" (eval {evaluated - start:.1f} s, generate {end - evaluated:.1f} s)"
+            if evaluated
+            else ""
+        )
         rows.append((
-            f"(f) held-out eval + generate, {label}",
+            f"(f) held-out eval + generate, {labels[mode]}",
             f"{Path(model).name}, 16 + 16 games, 3x3",
-            f"{end - start:.1f} s (eval {evaluated - start:.1f} s, generate "
-            f"{end - evaluated:.1f} s), held-out reward {held.reward_mean:.3f}",
+            f"{end - start:.1f} s{split}, held-out reward {held.reward_mean:.3f}",
             "",
             "",
         ))  # fmt: skip
-    each, one = min(times["a child each"]), times["one shared child"][0]
-    rows[1] = (*rows[1][:3], f"{each - one:+.1f} s against the faster separate run", "")
+    shared = min(times["shared"])
+    for i in (2, 4):
+        beside = times["beside"][i // 2 - 1]
+        rows[i] = (*rows[i][:3], f"{beside - shared:+.1f} s against the faster shared run", "")
     return rows
 
 

@@ -434,3 +434,77 @@ def test_no_eval_initial_skips_only_the_initial_models_evaluation_and_may_change
     with pytest.raises(RuntimeError, match="evaluated"):
         heldout_stage(cfg, 0, "m", run.manifest, Child())
     assert Run(cfg.model_copy(update={"eval_initial": True})).manifest.heldout_initial is None
+
+
+def _beside_config(model: Path, root: Path, **extra):
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.records import SamplingParams
+
+    return IterateConfig(
+        name="beside", iterations=1, model=str(model), engine={"kind": "hf", "model": str(model)},
+        data_root=root / "data", checkpoint_root=root / "ckpt", table_size=3, games_per_iter=8,
+        games_per_scenario=4, eval_scenarios=6, max_actions=8, seed=3,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=32), **extra,
+    )  # fmt: skip
+
+
+def test_heldout_games_play_beside_the_rounds_games_in_shared_batches(
+    primed_model, tmp_path, monkeypatch
+):
+    """With ``eval_beside_generate`` (the default) the held-out evaluation of a model and the
+    next round's generate play at once on one hf engine: some decoding batch holds both a greedy
+    (held-out) and a sampled (training) request, every planned game of each is written, and the
+    held-out result is the evaluation's own (its games file, one game per scenario)."""
+    from selfplay.engines.hf import HFEngine
+    from selfplay.iterate.child import _default_generate
+    from selfplay.iterate.stages import _beside, _generate_configs, beside_possible
+
+    cfg = _beside_config(primed_model, tmp_path)
+    assert beside_possible(cfg, _default_generate)
+    assert not beside_possible(cfg.model_copy(update={"concurrency": 1}), _default_generate)
+    assert not beside_possible(
+        cfg.model_copy(update={"eval_beside_generate": False}), _default_generate
+    )
+    steps: list[set[float]] = []  # the temperatures of each decoding step's live rows
+    sample_step = HFEngine._sample_step
+
+    def recorded(self, run):
+        steps.append({run.requests[run.active[b]].temperature for b in run.live_positions()})
+        return sample_step(self, run)
+
+    monkeypatch.setattr(HFEngine, "_sample_step", recorded)
+    gen_cfg, engine_cfg = _generate_configs(cfg, 0, str(primed_model))
+    out = tmp_path / "eval"
+    held, base = _beside(cfg, str(primed_model), out, True, gen_cfg, engine_cfg)
+    assert any(t == {0.0, 1.0} for t in steps), steps
+    assert held.games == 6 and held.model == str(primed_model) and held.path == str(out)
+    assert set(base) >= {"cooperative", "random"} and all(b.games == 6 for b in base.values())
+    assert _lines(out / "games" / "model-model.jsonl") == 6
+    ids = [r.game_id for r in iter_game_records(gen_cfg.games_path)]
+    assert len(ids) == len(set(ids)) == 8
+
+
+def test_heldout_beside_generate_resumes_after_sigkill_without_lost_or_duplicated_games(
+    primed_model, tmp_path
+):
+    """A run whose held-out evaluations play beside its generate (no --concurrency 1: games in
+    flight together), killed while round 0's games are being written, resumes: every planned
+    game once, the held-out result of the model round 0 started from recorded with the games
+    played beside it, and the run goes on to its last evaluation."""
+    cmd = _cmd(tmp_path, primed_model, "beside")
+    i = cmd.index("--concurrency")
+    del cmd[i : i + 2]
+    cmd[cmd.index("--iterations") + 1] = "1"
+    run = tmp_path / "data" / "beside"
+    proc = _start(cmd)
+    _kill_when(proc, lambda: _lines(run / "round_0" / "games.jsonl") >= 3)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert "0" not in manifest["heldout"]  # killed inside the shared stage: neither counted
+    _run(cmd)
+    manifest = json.loads((run / "manifest.json").read_text())
+    generate = manifest["rounds"]["0"]["stages"]["generate"]
+    assert generate["info"]["with_heldout"] is True
+    assert manifest["heldout"]["0"]["games"] == manifest["heldout"]["1"]["games"] == 3
+    assert _lines(run / "eval" / "after_0_rounds" / "games" / "model-model.jsonl") == 3
+    ids = [r.game_id for r in iter_game_records(run / "round_0" / "games.jsonl")]
+    assert len(ids) == len(set(ids)) == 16

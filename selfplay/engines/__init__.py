@@ -45,6 +45,7 @@ __all__ = [
     "Generation",
     "GenerationRequest",
     "HFEngineConfig",
+    "LentEngine",
     "SGLangEngineConfig",
     "ServerEngineConfig",
     "VLLMEngineConfig",
@@ -100,6 +101,27 @@ class Engine(Protocol):
     async def aclose(self) -> None:
         """Release the engine (stop batching, shut a launched server down). Idempotent."""
         ...
+
+
+class LentEngine:
+    """An engine its owner started and will close, lent to a caller that would otherwise open and
+    close its own (iterate's held-out evaluation playing beside generate on one engine, so that
+    their requests share batches): ``start`` and ``aclose`` do nothing, the rest is the owner's."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        return await self._engine.generate(request)
+
+    async def aclose(self) -> None:
+        return None
 
 
 class ChatEngine(Protocol):

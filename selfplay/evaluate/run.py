@@ -54,6 +54,7 @@ import numpy as np
 from selfplay.engines import (
     Engine,
     EngineFailure,
+    LentEngine,
     ServerEngineConfig,
     open_engine,
 )
@@ -129,8 +130,9 @@ def _slug(text: str) -> str:
 class _Evaluation:
     """One evaluation in progress: the plan and its scenarios, the partner, loading models."""
 
-    def __init__(self, config: EvalConfig) -> None:
+    def __init__(self, config: EvalConfig, engine: Engine | None = None) -> None:
         self.config = config
+        self.lent = engine  # an engine the caller started and closes, for the one model
         self.seeds = [eval_scenario_seed(config.seed, i) for i in range(config.num_scenarios)]
         self.plan = eval_plan(config.seed, config.num_scenarios, config.games_per_scenario)
         self.game = get_game(config.game)
@@ -204,6 +206,8 @@ class _Evaluation:
         path = await asyncio.to_thread(resolve_model, spec.model)
         chat = await asyncio.to_thread(load_chat_format, path)
         engine_cfg = self.config.engine_for(path, self.config.models.index(spec))
+        if self.lent is not None:
+            return _Loaded(spec, path, LentEngine(self.lent), chat)
         engine = await asyncio.to_thread(open_engine, engine_cfg)
         try:
             await engine.start()
@@ -232,10 +236,14 @@ def _ordered(names: tuple[str, str], config: EvalConfig) -> tuple[str, str]:
     return names if config.policy_seat == 1 else (names[1], names[0])
 
 
-async def run_eval_async(config: EvalConfig) -> EvalResult:
-    """Evaluate every model, baseline and (optionally) model pair; see the module docstring."""
+async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) -> EvalResult:
+    """Evaluate every model, baseline and (optionally) model pair; see the module docstring.
+    ``engine``: for a config of one model, an engine serving it that the caller started and
+    closes (the model then plays on it, beside whatever else the caller runs there)."""
+    if engine is not None and len(config.models) != 1:
+        raise ValueError("a lent engine serves one model; this evaluation has several")
     started = time.perf_counter()
-    ev = _Evaluation(config)
+    ev = _Evaluation(config, engine)
     rows: list[EvalRow] = []
     errors: dict[str, str] = {}
     kept: list[_Loaded] = []  # engines open now: the models held for cross-play, or the current

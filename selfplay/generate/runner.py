@@ -38,7 +38,7 @@ from typing import Protocol
 
 import orjson
 
-from selfplay.engines import Engine, EngineConfig, EngineFailure, open_engine
+from selfplay.engines import Engine, EngineConfig, EngineFailure, LentEngine, open_engine
 from selfplay.fileio import folder_lock
 from selfplay.game import get_game
 from selfplay.generate.config import GenerateConfig
@@ -312,23 +312,31 @@ def _summary_records(path: Path, ids: set[str]) -> Iterator[GameRecord]:
 
 
 async def run_generate_async(
-    config: GenerateConfig, engine_config: EngineConfig, progress: Progress | None = None
+    config: GenerateConfig,
+    engine_config: EngineConfig,
+    progress: Progress | None = None,
+    *,
+    engine: Engine | None = None,
 ) -> GenerateResult:
     """Check the output and the chat template, start the engine, play, always stop the engine.
+    ``engine``: one the caller started (for ``engine_config``) and closes, used instead.
 
     Holds OUT's lock throughout: a second generate into the same folder is refused at once."""
     with folder_lock(config.out, "selfplay generate"):
-        return await _run_generate_locked(config, engine_config, progress)
+        return await _run_generate_locked(config, engine_config, progress, engine)
 
 
 async def _run_generate_locked(
-    config: GenerateConfig, engine_config: EngineConfig, progress: Progress | None
+    config: GenerateConfig,
+    engine_config: EngineConfig,
+    progress: Progress | None,
+    lent: Engine | None,
 ) -> GenerateResult:
     existing = prepare_output(config, record=False)
     chat = await asyncio.to_thread(load_chat_format, engine_config.model)
     api = partner_config(config)
     partner_client = open_partner_client(api) if api is not None else None
-    engine = open_engine(engine_config)
+    engine = open_engine(engine_config) if lent is None else LentEngine(lent)
     try:
         await engine.start()
         record_options(config)  # the run has really started: the folder now holds its games

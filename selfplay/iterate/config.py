@@ -151,6 +151,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         description="Also evaluate the initial model, before the warm start (off: one held-out "
         "pass fewer where its answer is known, such as an instruct model that never tags a reply).",
     )
+    eval_beside_generate: bool = Field(
+        True,
+        description="Play a model's held-out evaluation and the next round's games at once on "
+        "one hf engine, so that their requests share batches (off, or with --concurrency 1: one "
+        "after the other, each stage's time its own).",
+    )
     loggers: tuple[str, ...] = Field(
         (), description="Experiment trackers, as verl names them: console, tensorboard, wandb..."
     )
@@ -250,7 +256,14 @@ class IterateConfig(GenerateOptions, ConvertOptions):
 
 
 # Options a resume may change: more rounds, a higher partner call cap, another key variable.
-RESUMABLE = ("iterations", "partner_max_calls", "partner_key_env", "loggers", "eval_initial")
+RESUMABLE = (
+    "iterations",
+    "partner_max_calls",
+    "partner_key_env",
+    "loggers",
+    "eval_initial",
+    "eval_beside_generate",
+)
 
 
 # Options added after the first runs, with the value those runs had: a manifest written before

@@ -84,34 +84,34 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     )
 
 
-def _heldout_eval(
-    cfg: IterateConfig, model: str, out: Path, baselines: bool
-) -> tuple[HeldOut, dict[str, HeldOut]]:
-    """Greedy games of ``model`` on the run's held-out scenarios (in a child), and the scripted
-    baselines on the same scenarios when asked."""
+def _eval_config(cfg: IterateConfig, model: str, out: Path, baselines: bool):
+    """The ``selfplay eval`` config of ``model``'s held-out games: greedy, on the run's held-out
+    scenarios and engine (hf on its device and dtype, or a server: an attached server loads the
+    evaluated weights with load_weights, as the next round would), with the scripted baselines
+    on the same scenarios when asked."""
     from selfplay.evaluate.config import EvalConfig, ModelSpec
-    from selfplay.evaluate.run import run_eval
 
-    # the run's own engine: hf on its device and dtype, or a server (an attached server loads the
-    # evaluated weights with load_weights, as the next round would)
-    where = {"engine": cfg.engine}
-    result = run_eval(
-        EvalConfig(
-            models=(ModelSpec(label="model", model=model),),
-            num_scenarios=cfg.eval_scenarios,
-            seed=cfg.eval_seed,
-            sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
-            baselines=get_game(cfg.game).heldout_baselines if baselines else (),
-            **where,
-            out=out,
-            **cfg.model_dump(
-                include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)
-            ),
-        )
+    return EvalConfig(
+        models=(ModelSpec(label="model", model=model),),
+        num_scenarios=cfg.eval_scenarios,
+        seed=cfg.eval_seed,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
+        baselines=get_game(cfg.game).heldout_baselines if baselines else (),
+        engine=cfg.engine,
+        out=out,
+        **cfg.model_dump(include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)),
     )
-    fields = set(HeldOut.model_fields) - {"model"}
 
-    fields -= {"path"}
+
+async def heldout_eval_async(
+    cfg: IterateConfig, model: str, out: Path, baselines: bool, engine=None
+) -> tuple[HeldOut, dict[str, HeldOut]]:
+    """``model``'s held-out result and the baselines' (when asked); on ``engine`` when given (one
+    the caller started and closes, see ``stages.generate_beside_heldout``)."""
+    from selfplay.evaluate.run import run_eval_async
+
+    result = await run_eval_async(_eval_config(cfg, model, out, baselines), engine=engine)
+    fields = set(HeldOut.model_fields) - {"model", "path"}
 
     def held(row) -> HeldOut:
         return HeldOut(model=row.model or row.name, path=str(out), **row.model_dump(include=fields))
@@ -122,32 +122,35 @@ def _heldout_eval(
     return held(row), {r.name: held(r) for r in result.rows if r.kind == "baseline"}
 
 
-def heldout_stage(
-    cfg: IterateConfig,
-    k: int | None,
-    model: str,
-    manifest: Manifest,
-    child: StageChild | None = None,
-) -> tuple[HeldOut, dict[str, HeldOut]] | None:
-    """The held-out result of ``model`` after ``k`` rounds (None: the initial model, before the
-    warm start) and the baselines when the run has none yet; None when there is nothing to do
-    (no held-out scenarios, the initial model with ``eval_initial`` off, or already evaluated).
-    A model that a skipped round carried forward keeps its result. Runs in ``child`` when given
-    (the loop's child, kept for the next round's generate with the same model), else in a child
-    of its own."""
+def _heldout_eval(
+    cfg: IterateConfig, model: str, out: Path, baselines: bool
+) -> tuple[HeldOut, dict[str, HeldOut]]:
+    """Greedy games of ``model`` on the run's held-out scenarios (in a child), and the scripted
+    baselines on the same scenarios when asked."""
+    import asyncio
+
+    return asyncio.run(heldout_eval_async(cfg, model, out, baselines))
+
+
+def heldout_due(cfg: IterateConfig, k: int | None, model: str, manifest: Manifest) -> Path | None:
+    """Where the held-out evaluation of ``model`` after ``k`` rounds (None: the initial model)
+    goes when it has to be played now; None when nothing is to play (no held-out scenarios, the
+    initial model with ``eval_initial`` off, already evaluated, or carried forward unchanged by a
+    skipped round: ``heldout_stage`` records that one)."""
     held = manifest.heldout
     if cfg.eval_scenarios == 0 or (k is None and not cfg.eval_initial):
         return None
     if k in held if k is not None else manifest.heldout_initial:
         return None
     if k and (k - 1) in held and held[k - 1].model == model:
-        return held[k - 1], {}
-    log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
-    out = cfg.run_dir / "eval" / ("initial" if k is None else f"after_{k}_rounds")
-    args = (_heldout_eval, cfg, model, out, not manifest.baselines)
-    (result, base), _ = child.run(*args) if child is not None else isolated(*args)
+        return None
+    return cfg.run_dir / "eval" / ("initial" if k is None else f"after_{k}_rounds")
+
+
+def heldout_recorded(cfg: IterateConfig, k: int | None, model: str, result: HeldOut) -> None:
+    """After a held-out evaluation after ``k`` rounds: its line in ``model``'s card and the log."""
     if k is None:
-        return result, base
+        return
     from selfplay.train.model_card import add_heldout
 
     add_heldout(
@@ -170,4 +173,30 @@ def heldout_stage(
         result.reward_ci_high or 0.0,
         result.agreement_rate or 0.0,
     )
+
+
+def heldout_stage(
+    cfg: IterateConfig,
+    k: int | None,
+    model: str,
+    manifest: Manifest,
+    child: StageChild | None = None,
+) -> tuple[HeldOut, dict[str, HeldOut]] | None:
+    """The held-out result of ``model`` after ``k`` rounds (None: the initial model, before the
+    warm start) and the baselines when the run has none yet; None when there is nothing to do
+    (no held-out scenarios, the initial model with ``eval_initial`` off, or already evaluated).
+    A model that a skipped round carried forward keeps its result. Runs in ``child`` when given
+    (the loop's child, kept for the next round's generate with the same model), else in a child
+    of its own."""
+    held = manifest.heldout
+    carried = k and k not in held and (k - 1) in held and held[k - 1].model == model
+    if cfg.eval_scenarios and carried:  # a skipped round handed its model on unchanged
+        return held[k - 1], {}
+    out = heldout_due(cfg, k, model, manifest)
+    if out is None:
+        return None
+    log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
+    args = (_heldout_eval, cfg, model, out, not manifest.baselines)
+    (result, base), _ = child.run(*args) if child is not None else isolated(*args)
+    heldout_recorded(cfg, k, model, result)
     return result, base

@@ -16,7 +16,9 @@ The heavy stages (warm start, evaluation, generate, train) run in child processe
 own memory stays flat across rounds and no stage inherits another's torch settings (the hf engine
 sets torch's thread count; the trainer must not run on what it left). The one exception: a
 model's held-out evaluation and the next round's generate, which play with the same weights,
-share one child (one start, one model load); it ends before the round trains.
+share one child (one start, one model load) and, on the hf engine, one engine: their games play
+at once and their requests share batches (``eval_beside_generate``); the child ends before the
+round trains.
 
 Each stage is recorded in the manifest only after it finished, and the manifest is replaced
 atomically, so a kill at any point resumes at the first unfinished stage: generate keeps its
@@ -30,9 +32,20 @@ import logging
 from selfplay.fileio import folder_lock
 from selfplay.iterate.child import Generate, StageChild, _default_generate
 from selfplay.iterate.config import IterateConfig
-from selfplay.iterate.heldout import heldout_stage, warm_start_stage
+from selfplay.iterate.heldout import (
+    heldout_due,
+    heldout_recorded,
+    heldout_stage,
+    warm_start_stage,
+)
 from selfplay.iterate.resume import Run
-from selfplay.iterate.stages import next_model, prune_checkpoints, stages
+from selfplay.iterate.stages import (
+    beside_possible,
+    generate_beside_heldout,
+    next_model,
+    prune_checkpoints,
+    stages,
+)
 from selfplay.iterate.track import round_metrics, track_round
 from selfplay.tracking import open_tracker
 
@@ -74,7 +87,17 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
         ) as tracker,
     ):
         for k in range(config.iterations):
-            if (held := heldout_stage(config, k, model, run.manifest, child)) is not None:
+            due = heldout_due(config, k, model, run.manifest)
+            generated = k in run.manifest.rounds and "generate" in run.manifest.rounds[k].stages
+            if due is not None and not generated and beside_possible(config, generate):
+                held, games = generate_beside_heldout(
+                    config, k, model, due, not run.manifest.baselines, child
+                )
+                heldout_recorded(config, k, model, held[0])
+                run.record_heldout(k, *held)
+                run.start_round(k, model)
+                run.record(k, "generate", games)
+            elif (held := heldout_stage(config, k, model, run.manifest, child)) is not None:
                 run.record_heldout(k, *held)
             rnd = run.start_round(k, model)
             if "generate" in rnd.stages:  # resumed after its games: nothing to share the child

@@ -17,6 +17,7 @@ from selfplay.generate.config import GenerateConfig, GenerateOptions
 from selfplay.iterate.child import Generate, StageChild, _default_generate, _hold, isolated
 from selfplay.iterate.config import IterateConfig
 from selfplay.manifest import Manifest, RoundRecord, StageRecord
+from selfplay.metrics import HeldOut
 from selfplay.train.config import TrainConfig, TrainerOptions
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,83 @@ def _reload_attached(engine_cfg: ServerEngineConfig, model: str) -> None:
     asyncio.run(go())
 
 
+def _generate_configs(cfg: IterateConfig, k: int, model: str):
+    """Round ``k``'s generate config (its folder made) and the engine config of ``model``."""
+    rdir = cfg.round_dir(k)
+    rdir.mkdir(parents=True, exist_ok=True)
+    gen_cfg = GenerateConfig(
+        out=rdir,
+        num_games=cfg.games_per_iter,
+        model=model,
+        games_per_scenario=cfg.games_per_scenario,
+        round=k,
+        **cfg.model_dump(include=set(GenerateOptions.model_fields)),
+    )
+    return gen_cfg, cfg.engine.model_copy(update={"model": model})
+
+
+def beside_possible(cfg: IterateConfig, generate: Generate) -> bool:
+    """Whether a held-out evaluation may play beside the next round's generate on one engine:
+    asked for (``eval_beside_generate``), an in-process engine (hf), games not held to one at a
+    time (``concurrency`` 1 decodes each request alone, so that sampling does not depend on which
+    requests share a batch: the held-out games would join them), and the loop's own generate."""
+    return (
+        cfg.eval_beside_generate
+        and cfg.engine.kind == "hf"
+        and cfg.concurrency != 1
+        and generate is _default_generate
+    )
+
+
+def _beside(cfg: IterateConfig, model: str, out: Path, baselines: bool, gen_cfg, engine_cfg):
+    """In the stage child: the held-out games of ``model`` and round ``gen_cfg.round``'s games
+    played at once on one engine, so that their requests share batches (a greedy held-out game
+    and a sampled training game differ only in their requests' temperature). Both finish or
+    neither counts: a failure of one cancels the other (generate keeps its finished games)."""
+    import asyncio
+
+    from selfplay.engines import open_engine
+    from selfplay.generate.runner import run_generate_async
+    from selfplay.iterate.child import _stage_progress
+    from selfplay.iterate.heldout import heldout_eval_async
+
+    progress = _stage_progress(f"round {gen_cfg.round} generate")
+
+    async def both():
+        engine = open_engine(engine_cfg)
+        try:
+            await engine.start()
+            async with asyncio.TaskGroup() as group:
+                held = group.create_task(heldout_eval_async(cfg, model, out, baselines, engine))
+                group.create_task(run_generate_async(gen_cfg, engine_cfg, progress, engine=engine))
+            return held.result()
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(both())
+
+
+def generate_beside_heldout(
+    cfg: IterateConfig, k: int, model: str, out: Path, baselines: bool, child: StageChild
+) -> tuple[tuple[HeldOut, dict[str, HeldOut]], StageRecord]:
+    """The held-out evaluation of ``model`` (into ``out``) and round ``k``'s generate with it,
+    played together in ``child`` (closed after, as ``generate_stage`` does): the held-out result
+    with the baselines when asked, and generate's record, whose seconds span both."""
+    started = time.time()
+    gen_cfg, engine_cfg = _generate_configs(cfg, k, model)
+    log.info(
+        "held-out evaluation of %s on %d scenarios beside round %d's %d games",
+        model,
+        cfg.eval_scenarios,
+        k,
+        cfg.games_per_iter,
+    )
+    with child:
+        held, rss = child.run(_beside, cfg, model, out, baselines, gen_cfg, engine_cfg)
+    info = {"peak_rss_mb": rss, "with_heldout": True}
+    return held, StageRecord.since(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
+
+
 def generate_stage(
     cfg: IterateConfig,
     k: int,
@@ -54,9 +132,7 @@ def generate_stage(
     when given (the one the held-out evaluation of ``model`` ran in; closed here once the games
     are done, so that it holds no memory through train), else one of its own."""
     started = time.time()
-    rdir = cfg.round_dir(k)
-    rdir.mkdir(parents=True, exist_ok=True)
-    engine_cfg = cfg.engine.model_copy(update={"model": model})
+    gen_cfg, engine_cfg = _generate_configs(cfg, k, model)
     # an attached server holds the weights it was started with (the run's initial model) or the
     # last ones loaded: any other model (a trained round, a warm start) is loaded into it first
     if (
@@ -65,14 +141,6 @@ def generate_stage(
         and (k > 0 or model != cfg.model)
     ):
         _reload_attached(engine_cfg, model)
-    gen_cfg = GenerateConfig(
-        out=rdir,
-        num_games=cfg.games_per_iter,
-        model=model,
-        games_per_scenario=cfg.games_per_scenario,
-        round=k,
-        **cfg.model_dump(include=set(GenerateOptions.model_fields)),
-    )
     log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
     info = {}
     with child or StageChild() as run_in:
