@@ -90,12 +90,12 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
             due = heldout_due(config, k, model, run.manifest)
             generated = k in run.manifest.rounds and "generate" in run.manifest.rounds[k].stages
             if due is not None and not generated and beside_possible(config, generate):
+                run.start_round(k, model)  # checks a resumed round's model before the work
                 held, games = generate_beside_heldout(
                     config, k, model, due, not run.manifest.baselines, child
                 )
                 heldout_recorded(config, k, model, held[0])
                 run.record_heldout(k, *held)
-                run.start_round(k, model)
                 run.record(k, "generate", games)
             elif (held := heldout_stage(config, k, model, run.manifest, child)) is not None:
                 run.record_heldout(k, *held)
