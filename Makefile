@@ -11,8 +11,8 @@
 # in updates of 4, on half the tokens); GRPO takes the old log-probs from the rollout (on-policy
 # rows: the generator's own log-probs), which spares a forward pass a step; the warm-started
 # model's held-out games play beside the round's games on one engine. README, "The two
-# commands": 8 min 10 s and 8 min 51 s on a 2-core AVX2-only CPU (fp32); the initial model's evaluation (0.000)
-# is left out.
+# commands": 8 min 10 s and 8 min 51 s on a 2-core AVX2-only CPU (fp32); the initial model's
+# evaluation (0.000) is left out.
 DEMO_ARGS ?= --name demo --game matching-short --table-size 3 --warm-start scripted:cooperative:32 \
 	--warm-start-lr 2e-4 --warm-start-epochs 1 --warm-start-mini-batch-size 2 --iterations 1 \
 	--games-per-iter 8 --games-per-scenario 4 --temperature 1.0 --max-new-tokens 64 \
