@@ -508,3 +508,31 @@ def test_heldout_beside_generate_resumes_after_sigkill_without_lost_or_duplicate
     assert _lines(run / "eval" / "after_0_rounds" / "games" / "model-model.jsonl") == 3
     ids = [r.game_id for r in iter_game_records(run / "round_0" / "games.jsonl")]
     assert len(ids) == len(set(ids)) == 16
+
+
+def test_a_failed_games_write_beside_the_heldout_evaluation_stops_the_run_with_its_own_error(
+    primed_model, tmp_path
+):
+    """A file-size limit (as a full disk would) that round 0's games cross while the held-out
+    games play beside them: the run stops with generate's one line naming the file and the free
+    space, exit 1, as a generate alone does (not an exception group of the two), keeping the
+    games written before."""
+    import resource
+
+    cmd = _cmd(tmp_path, primed_model, "full")
+    i = cmd.index("--concurrency")
+    del cmd[i : i + 2]
+    cmd[cmd.index("--iterations") + 1] = "1"
+
+    def limited() -> None:  # a game record is ~10 KB: the held-out file (3 games) fits
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    res = subprocess.run(
+        cmd, env=_env(), capture_output=True, text=True, timeout=900, preexec_fn=limited
+    )
+    err = res.stderr
+    assert res.returncode == 1, err[-3000:]
+    assert "games.jsonl failed (File too large)" in err and "MiB are free there" in err, err[-3000:]
+    assert "Traceback" not in err and "ExceptionGroup" not in err, err[-3000:]
+    kept = _lines(tmp_path / "data" / "full" / "round_0" / "games.jsonl")
+    assert 0 < kept < 16

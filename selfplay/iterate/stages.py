@@ -89,10 +89,17 @@ def _beside(cfg: IterateConfig, model: str, out: Path, baselines: bool, gen_cfg,
         engine = open_engine(engine_cfg)
         try:
             await engine.start()
-            async with asyncio.TaskGroup() as group:
-                held = group.create_task(heldout_eval_async(cfg, model, out, baselines, engine))
-                group.create_task(run_generate_async(gen_cfg, engine_cfg, progress, engine=engine))
-            return held.result()
+            evaluate = heldout_eval_async(cfg, model, out, baselines, engine)
+            play = run_generate_async(gen_cfg, engine_cfg, progress, engine=engine)
+            jobs = (asyncio.ensure_future(evaluate), asyncio.ensure_future(play))
+            try:
+                held, _ = await asyncio.gather(*jobs)
+            except BaseException:  # the first failure as it is (a GamesWriteError stays one)
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                raise
+            return held
         finally:
             await engine.aclose()
 
