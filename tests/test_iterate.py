@@ -536,3 +536,36 @@ def test_a_failed_games_write_beside_the_heldout_evaluation_stops_the_run_with_i
     assert "Traceback" not in err and "ExceptionGroup" not in err, err[-3000:]
     kept = _lines(tmp_path / "data" / "full" / "round_0" / "games.jsonl")
     assert 0 < kept < 16
+
+
+def test_a_model_a_skipped_round_handed_on_keeps_its_heldout_result(tmp_path):
+    """The model after round 1 that round 0 handed on unchanged (a skipped round) is not played
+    again: `heldout_stage` returns round 0's result and `heldout_due` has nothing to play; another
+    model after round 1 is evaluated (it reaches the child)."""
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.heldout import heldout_due, heldout_stage
+    from selfplay.iterate.resume import Run
+    from selfplay.metrics import HeldOut
+
+    cfg = IterateConfig(
+        name="x", model="m", engine={"kind": "hf", "model": "m"}, iterations=2, games_per_iter=2,
+        data_root=tmp_path, checkpoint_root=tmp_path, eval_scenarios=4,
+    )  # fmt: skip
+    run = Run(cfg)
+    none = dict.fromkeys(
+        ("reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate", "mean_actions",
+         "invalid_action_rate", "questions_per_game", "direct_questions_per_game",
+         "general_questions_per_game"),
+    )  # fmt: skip
+    before = HeldOut(model="m", path="p", games=4, **{**none, "reward_mean": 0.5})
+    run.manifest.heldout[0] = before
+
+    class Child:
+        def run(self, *args):
+            raise RuntimeError("evaluated")
+
+    assert heldout_due(cfg, 1, "m", run.manifest) is None
+    assert heldout_stage(cfg, 1, "m", run.manifest, Child()) == (before, {})
+    assert heldout_due(cfg, 1, "n", run.manifest) == tmp_path / "x" / "eval" / "after_1_rounds"
+    with pytest.raises(RuntimeError, match="evaluated"):
+        heldout_stage(cfg, 1, "n", run.manifest, Child())

@@ -205,9 +205,9 @@ class _Evaluation:
 
         path = await asyncio.to_thread(resolve_model, spec.model)
         chat = await asyncio.to_thread(load_chat_format, path)
-        engine_cfg = self.config.engine_for(path, self.config.models.index(spec))
         if self.lent is not None:
             return _Loaded(spec, path, LentEngine(self.lent), chat)
+        engine_cfg = self.config.engine_for(path, self.config.models.index(spec))
         engine = await asyncio.to_thread(open_engine, engine_cfg)
         try:
             await engine.start()

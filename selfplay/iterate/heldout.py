@@ -132,6 +132,12 @@ def _heldout_eval(
     return asyncio.run(heldout_eval_async(cfg, model, out, baselines))
 
 
+def _carried(k: int | None, model: str, held: dict[int, HeldOut]) -> bool:
+    """Whether the model after ``k`` rounds is the one after ``k - 1`` (a skipped round handed it
+    on unchanged), already evaluated."""
+    return bool(k) and (k - 1) in held and held[k - 1].model == model
+
+
 def heldout_due(cfg: IterateConfig, k: int | None, model: str, manifest: Manifest) -> Path | None:
     """Where the held-out evaluation of ``model`` after ``k`` rounds (None: the initial model)
     goes when it has to be played now; None when nothing is to play (no held-out scenarios, the
@@ -142,7 +148,7 @@ def heldout_due(cfg: IterateConfig, k: int | None, model: str, manifest: Manifes
         return None
     if k in held if k is not None else manifest.heldout_initial:
         return None
-    if k and (k - 1) in held and held[k - 1].model == model:
+    if _carried(k, model, held):
         return None
     return cfg.run_dir / "eval" / ("initial" if k is None else f"after_{k}_rounds")
 
@@ -189,8 +195,7 @@ def heldout_stage(
     (the loop's child, kept for the next round's generate with the same model), else in a child
     of its own."""
     held = manifest.heldout
-    carried = k and k not in held and (k - 1) in held and held[k - 1].model == model
-    if cfg.eval_scenarios and carried:  # a skipped round handed its model on unchanged
+    if cfg.eval_scenarios and k not in held and _carried(k, model, held):
         return held[k - 1], {}
     out = heldout_due(cfg, k, model, manifest)
     if out is None:
