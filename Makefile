@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-guided bench
+.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables of matching-short (the rules in five
 # sentences: 311 tokens a warm-start row instead of 442): a warm start (behaviour cloning of the
@@ -146,6 +146,19 @@ ASK4_STRICT_ARGS ?= --name ask4-strict --game matching-ranked --table-size 4 \
 	--max-new-tokens 64 --max-actions 30 --lr 1e-4 --epochs-per-iter 1 --mini-batch-size 8 \
 	--eval-scenarios 48 --micro-batch-size 4 --no-eval-initial
 
+# The same question on a table that lists what a seat does not know (--game matching-gaps: after
+# the ranked known cells, "Not known to you:" and one "Ava Li on GloVe" line per unknown cell, in
+# the order scripted:asker asks them), so that a good question is a copy of a line; 3x3 tables
+# with 20 actions beside scripted:shy-strict (asker 0.740, picker 0.671, random 0.700), a warm
+# start on 36 picker and 12 asker games (a quarter asking), then 2 rounds of expert iteration.
+ASK_GAPS_ARGS ?= --name ask-gaps --game matching-gaps --table-size 3 \
+	--partner scripted:shy-strict --warm-start scripted:picker:36,scripted:asker:12 \
+	--warm-start-partner run --warm-start-lr 2e-4 --warm-start-epochs 3 \
+	--warm-start-mini-batch-size 4 --algorithm expert-iteration --ei-top-k 1 --ei-min-reward 0.9 \
+	--ei-replay 0 --iterations 2 --games-per-iter 128 --games-per-scenario 4 --temperature 1.0 \
+	--max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 1 --mini-batch-size 8 \
+	--eval-scenarios 48 --micro-batch-size 4 --no-eval-initial
+
 # The guided-GRPO arm of the same question: a warm start that never asks (24 cooperative games
 # against shy), then GRPO rounds whose groups each get 2 games of scripted:inquisitive (it asks)
 # on the same scenario, trained off-policy with LUFFY's shaped loss.
@@ -211,6 +224,9 @@ ask4: setup
 
 ask4-strict: setup
 	.venv/bin/selfplay iterate $(ASK4_STRICT_ARGS)
+
+ask-gaps: setup
+	.venv/bin/selfplay iterate $(ASK_GAPS_ARGS)
 
 ask-guided: setup
 	.venv/bin/selfplay iterate $(ASK_GUIDED_ARGS)

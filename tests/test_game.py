@@ -424,3 +424,51 @@ def test_ranked_view_lists_the_known_cells_highest_first_and_changes_no_decision
         )
         assert a.summary.reward_mean == b.summary.reward_mean
         assert a.summary.stated_value_accuracy == b.summary.stated_value_accuracy == 1.0
+
+
+def test_gaps_view_lists_the_unknown_cells_and_the_askers_questions_copy_them_in_order():
+    """matching-gaps is matching-ranked with the seat's unknown cells listed after its known ones,
+    one a line in table order, in a direct question's words; scripted:asker's questions against
+    shy name exactly the first lines of that list, in order, and every scripted pair scores game
+    for game what it scores in matching-ranked (the view changes no decision)."""
+    import asyncio
+
+    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.game import GAMES
+    from selfplay.game.matching.prompts import GAPS_HEADER, TABLE_HEADER
+    from selfplay.game.matching.scripted import _QUESTION
+
+    gaps, ranked = GAMES["matching-gaps"], GAMES["matching-ranked"]
+    for seed in range(20):
+        s = generate_scenario(seed, 3 + seed % 4)
+        for seat in (0, 1):
+            view = s.view(seat)
+            shown = gaps.intro(s, seat)
+            table = ranked.intro(s, seat).split(TABLE_HEADER)[1].split("\n\nYou start")[0]
+            assert shown.split(TABLE_HEADER)[1].startswith(f"{table}\n\n{GAPS_HEADER}\n")
+            assert f'the cells under "{GAPS_HEADER}" are unknown' in shown
+            listed = shown.split(GAPS_HEADER + "\n")[1].split("\n\n")[0].split("\n")
+            unknown = [
+                f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}"
+                for r in range(s.n)
+                for p in range(s.n)
+                if view[r][p] is None
+            ]
+            assert listed == (unknown or ["none"])
+            # the asker's questions, played against shy, copy the list's first lines in order
+            asker, shy = gaps.scripted("asker", s, seat), gaps.scripted("shy", s, 1 - seat)
+            asked = []
+            for _ in range(2 * s.n):
+                move = asker.decide()
+                asked += [f"{name} on {paper}" for name, paper in _QUESTION.findall(move)]
+                if not move.startswith("[message]") or "?" not in move:
+                    break
+                reply = asyncio.run(shy.act(f"Partner: {move}"))
+                asker.observe("message", reply.removeprefix("[message] "))
+            assert asked == unknown[: len(asked)] and len(asked) == min(len(unknown), 2 * (s.n - 1))
+    for players in (("asker", "shy-strict"), ("picker", "shy"), ("cooperative", "cooperative")):
+        a, b = (
+            evaluate_scripted(GAMES[g], players, num_games=30, seed=3, n=3, max_actions=20)
+            for g in ("matching-ranked", "matching-gaps")
+        )
+        assert a.summary.reward_mean == b.summary.reward_mean

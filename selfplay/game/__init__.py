@@ -11,7 +11,13 @@ from pydantic import AfterValidator, ValidationInfo
 
 from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
-from selfplay.game.matching import MATCHING, MATCHING_LINES, MATCHING_RANKED, MATCHING_SHORT
+from selfplay.game.matching import (
+    MATCHING,
+    MATCHING_GAPS,
+    MATCHING_LINES,
+    MATCHING_RANKED,
+    MATCHING_SHORT,
+)
 from selfplay.game.matching.rules import (
     PAPERS,
     PAPERS_SHORT,
@@ -28,7 +34,8 @@ from selfplay.game.matching.turns import Action, Game, StepResult
 
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
 GAMES: dict[str, DialogueGame] = {
-    game.name: game for game in (MATCHING, MATCHING_LINES, MATCHING_RANKED, MATCHING_SHORT)
+    game.name: game
+    for game in (MATCHING, MATCHING_LINES, MATCHING_RANKED, MATCHING_SHORT, MATCHING_GAPS)
 }
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
@@ -65,6 +72,7 @@ __all__ = [
     "DEFAULT_GAME",
     "GAMES",
     "MATCHING",
+    "MATCHING_GAPS",
     "MATCHING_LINES",
     "MATCHING_RANKED",
     "MATCHING_SHORT",

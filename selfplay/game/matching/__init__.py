@@ -54,7 +54,8 @@ class MatchingGame:
         return SCRIPTED_NAMES
 
     def scripted(self, name: str, scenario: Scenario, seat: int, *, seed: int = 0) -> Player:
-        return make_scripted(name, scenario, seat, seed=seed, ranked=self.table_format == "ranked")
+        ranked = self.table_format in ("ranked", "gaps")
+        return make_scripted(name, scenario, seat, seed=seed, ranked=ranked)
 
     def classify_question(self, text: str, scenario: Scenario | None = None) -> QuestionKind:
         text = _MESSAGE_TAG.sub("", text, count=1)  # a recorded action keeps its tag
@@ -109,3 +110,16 @@ class MatchingRankedGame(MatchingGame):
 
 
 MATCHING_RANKED = MatchingRankedGame()
+
+
+class MatchingGapsGame(MatchingRankedGame):
+    """matching-ranked with the cells a seat does not know listed after its known ones, one a line
+    in table order, in a direct question's words ("Not known to you:" / "Ava Li on GloVe"). The
+    same rules, scenarios, rewards and scripted players; ``scripted:asker`` asks about those cells
+    in that order, so each of its questions copies the next line of the list (README, "Asking")."""
+
+    name = "matching-gaps"
+    table_format = "gaps"
+
+
+MATCHING_GAPS = MatchingGapsGame()

@@ -39,9 +39,18 @@ TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 # ("Ava Li: BLEU 116, GloVe 79"), the form the scripted players' messages use, so that reading a
 # cell is a copy rather than a column lookup (the matching-lines game), or "ranked", one known
 # cell a line, highest value first ("Ava Li: GloVe 968"), so that the largest known value is the
-# first line rather than the result of comparisons (the matching-ranked game).
-TABLE_FORMATS = ("csv", "lines", "ranked")
-_UNKNOWN = {"csv": "empty cells", "lines": "cells not listed", "ranked": "cells not listed"}
+# first line rather than the result of comparisons (the matching-ranked game), or "gaps", the
+# ranked lines and then the cells the seat does not know, one a line in table order, in the words
+# of a direct question ("Ava Li on GloVe"), so that asking about an unknown cell is a copy of a
+# line rather than the result of checking the table (the matching-gaps game).
+TABLE_FORMATS = ("csv", "lines", "ranked", "gaps")
+GAPS_HEADER = "Not known to you:"
+_UNKNOWN = {
+    "csv": "empty cells",
+    "lines": "cells not listed",
+    "ranked": "cells not listed",
+    "gaps": f'the cells under "{GAPS_HEADER}"',
+}
 YOU_START = "You start the conversation."
 
 
@@ -84,7 +93,21 @@ def view_ranked(scenario: Scenario, seat: int) -> str:
     return "\n".join(lines) or "none"
 
 
-_VIEWS = {"csv": Scenario.view_csv, "lines": view_lines, "ranked": view_ranked}
+def unknown_cells(view: list[list[int | None]]) -> list[tuple[int, int]]:
+    """The cells a view does not know as (reviewer, paper), in table order (reviewer, then
+    paper): the order ``scripted:asker`` asks about them."""
+    return [(r, p) for r, row in enumerate(view) for p, v in enumerate(row) if v is None]
+
+
+def view_gaps(scenario: Scenario, seat: int) -> str:
+    """``view_ranked``, then the cells the seat does not know, one a line in table order, as a
+    direct question names them: 'Not known to you:' / 'Ava Li on GloVe' ('none' if it knows all)."""
+    cells = unknown_cells(scenario.view(seat))
+    gaps = [f"{scenario.reviewers[r]} on {PAPERS_SHORT[p]}" for r, p in cells] or ["none"]
+    return "\n".join([view_ranked(scenario, seat), "", GAPS_HEADER, *gaps])
+
+
+_VIEWS = {"csv": Scenario.view_csv, "lines": view_lines, "ranked": view_ranked, "gaps": view_gaps}
 
 
 def intro(
