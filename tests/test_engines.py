@@ -33,9 +33,17 @@ from tests.sglang_standin import install_fake_sglang
 TESTS = Path(__file__).resolve().parent
 
 
+# The hf engine's tests run on the CPU; SELFPLAY_TEST_DEVICE=cuda runs them on a GPU (fp32 there
+# too, so that the batched-against-alone comparisons keep their tolerances).
+DEVICE = os.environ.get("SELFPLAY_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_model):
-    return open_engine(HFEngineConfig(model=str(tiny_model), device="cpu", max_batch_size=16))
+    config = HFEngineConfig(model=str(tiny_model), device=DEVICE, max_batch_size=16)
+    if DEVICE != "cpu":
+        config = config.model_copy(update={"dtype": "fp32"})
+    return open_engine(config)
 
 
 def prompt(engine, text: str) -> list[int]:
@@ -69,7 +77,7 @@ def fresh(hf, **config):
 
 def full_forward_logprobs(model, prompt_ids, gen, temperature: float = 1.0) -> list[float]:
     """The sampled tokens' log-probs by one forward pass over the whole sequence, no cache."""
-    full = torch.tensor([list(prompt_ids) + gen.token_ids])
+    full = torch.tensor([list(prompt_ids) + gen.token_ids], device=model.device)
     with torch.no_grad():
         logp = torch.log_softmax(model(full).logits[0].float() / temperature, -1)
     n = len(prompt_ids)

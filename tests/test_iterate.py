@@ -487,27 +487,38 @@ def test_heldout_games_play_beside_the_rounds_games_in_shared_batches(
 def test_heldout_beside_generate_resumes_after_sigkill_without_lost_or_duplicated_games(
     primed_model, tmp_path
 ):
-    """A run whose held-out evaluations play beside its generate (no --concurrency 1: games in
-    flight together), killed while round 0's games are being written, resumes: every planned
-    game once, the held-out result of the model round 0 started from recorded with the games
-    played beside it, and the run goes on to its last evaluation."""
+    """A two-round run whose held-out evaluations play beside its generate (no --concurrency 1:
+    games in flight together): every model but the last is evaluated beside the next round's
+    games, round 0's model beside round 1's too, not alone after round 0's training. Killed
+    while round 1's games are being written, it resumes: every planned game once, the held-out
+    result of round 0's model recorded with the games played beside it, the last model's
+    evaluation after, and each round's tracker line with the held-out result of its model."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     cmd = _cmd(tmp_path, primed_model, "beside")
     i = cmd.index("--concurrency")
     del cmd[i : i + 2]
-    cmd[cmd.index("--iterations") + 1] = "1"
     run = tmp_path / "data" / "beside"
     proc = _start(cmd)
-    _kill_when(proc, lambda: _lines(run / "round_0" / "games.jsonl") >= 3)
+    _kill_when(proc, lambda: _lines(run / "round_1" / "games.jsonl") >= 3)
     manifest = json.loads((run / "manifest.json").read_text())
-    assert "0" not in manifest["heldout"]  # killed inside the shared stage: neither counted
+    assert "0" in manifest["heldout"] and "train" in manifest["rounds"]["0"]["stages"]
+    assert "1" not in manifest["heldout"]  # killed inside the shared stage: neither counted
     _run(cmd)
     manifest = json.loads((run / "manifest.json").read_text())
-    generate = manifest["rounds"]["0"]["stages"]["generate"]
-    assert generate["info"]["with_heldout"] is True
-    assert manifest["heldout"]["0"]["games"] == manifest["heldout"]["1"]["games"] == 3
-    assert _lines(run / "eval" / "after_0_rounds" / "games" / "model-model.jsonl") == 3
-    ids = [r.game_id for r in iter_game_records(run / "round_0" / "games.jsonl")]
-    assert len(ids) == len(set(ids)) == 16
+    for k in range(ROUNDS):
+        generate = manifest["rounds"][str(k)]["stages"]["generate"]
+        assert generate["info"]["with_heldout"] is True
+        ids = [r.game_id for r in iter_game_records(run / f"round_{k}" / "games.jsonl")]
+        assert len(ids) == len(set(ids)) == 16
+    assert [manifest["heldout"][str(k)]["games"] for k in range(ROUNDS + 1)] == [3, 3, 3]
+    for k in range(ROUNDS + 1):
+        assert _lines(run / "eval" / f"after_{k}_rounds" / "games" / "model-model.jsonl") == 3
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    held = [e.value for e in events.Scalars("round/heldout/reward_mean")]
+    assert held == pytest.approx([manifest["heldout"][k]["reward_mean"] for k in ("1", "2")])
+    assert [e.value for e in events.Scalars("round/round")] == [0.0, 1.0]
 
 
 def test_a_failed_games_write_beside_the_heldout_evaluation_stops_the_run_with_its_own_error(

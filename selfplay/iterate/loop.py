@@ -99,6 +99,8 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
                 run.record(k, "generate", games)
             elif (held := heldout_stage(config, k, model, run.manifest, child)) is not None:
                 run.record_heldout(k, *held)
+            if k > 0 and tracker is not None:  # the last round's result is recorded now
+                track_round(run, tracker, k - 1)
             rnd = run.start_round(k, model)
             if "generate" in rnd.stages:  # resumed after its games: nothing to share the child
                 child.close()
@@ -109,6 +111,8 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
             if rnd.metrics is None:
                 run.record_round_metrics(k, round_metrics(rnd, config.round_dir(k) / "games.jsonl"))
             model = next_model(rnd)
+            if k + 1 < config.iterations and beside_possible(config, generate):
+                continue  # the new model's evaluation plays beside the next round's games
             if (held := heldout_stage(config, k + 1, model, run.manifest, child)) is not None:
                 run.record_heldout(k + 1, *held)
             if tracker is not None:
