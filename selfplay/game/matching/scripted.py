@@ -43,7 +43,7 @@ import re
 
 import numpy as np
 
-from selfplay.game.matching.prompts import ranked_cells
+from selfplay.game.matching.prompts import ranked_cells, unknown_cells
 from selfplay.game.matching.questions import is_question
 from selfplay.game.matching.rules import (
     PAPERS_SHORT,
@@ -518,20 +518,12 @@ class Asker(Inquisitive):
         self.picked = False
 
     def question(self) -> tuple[int, int] | None:
-        """The next cell this seat does not know and has not asked about, in table order."""
+        """The next cell this seat does not know and has not asked about, in table order (the
+        order matching-gaps lists them in)."""
         if len(self.asked) >= self.max_questions:
             return None
-        cells = ((r, p) for r in range(self.n) for p in range(self.n))
-        return next(
-            (
-                c
-                for c in cells
-                if self.view[c[0]][c[1]] is None
-                and c not in self.asked
-                and c not in self.partner_values
-            ),
-            None,
-        )
+        left = (c for c in unknown_cells(self.view) if c not in self.asked)
+        return next((c for c in left if c not in self.partner_values), None)
 
     def conclude(self) -> str:
         """Say the picks over its values and the answers once, then propose them (after a
