@@ -29,6 +29,18 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_test_config(tiny_model):
+    """The hf engine config the engine tests open: on the CPU, or with SELFPLAY_TEST_DEVICE=cuda
+    on a GPU (in fp32 there too, so that batched-against-alone comparisons keep their
+    tolerances)."""
+    from selfplay.engines import HFEngineConfig
+
+    device = os.environ.get("SELFPLAY_TEST_DEVICE", "cpu")
+    config = HFEngineConfig(model=str(tiny_model), device=device, max_batch_size=16)
+    return config if device == "cpu" else config.model_copy(update={"dtype": "fp32"})
+
+
+@pytest.fixture(scope="session")
 def human_games() -> list[dict]:
     if not HUMAN_GAMES.exists():
         pytest.skip("../shared/dialop-data is not beside the project")

@@ -5,28 +5,26 @@ engines that each fail with the property named."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
 
-from selfplay.engines import Generation, HFEngineConfig, SGLangEngineConfig, open_engine
+from selfplay.engines import Generation, SGLangEngineConfig, open_engine
 from selfplay.engines.conformance import EngineConformanceError, check_engine
 from selfplay.engines.synthetic import SyntheticEngine
 from tests.servers import running
 
 TESTS = Path(__file__).resolve().parent
-DEVICE = os.environ.get("SELFPLAY_TEST_DEVICE", "cpu")  # cuda: the hf engine's checks on a GPU
 
 ALL = {"identity", "close-idempotent", "shape", "greedy-reproduces", "seed-reproduces"}
 ALL |= {"stop-kept", "concurrent"}
 
 
 @pytest.fixture(scope="module")
-def hf_engine(tiny_model):
-    """A loaded hf engine; each check opens a fresh engine object over its weights."""
-    config = HFEngineConfig(model=str(tiny_model), device=DEVICE, max_batch_size=16)
-    return open_engine(config.model_copy(update={"dtype": "fp32"}) if DEVICE != "cpu" else config)
+def hf_engine(hf_test_config):
+    """A loaded hf engine (on SELFPLAY_TEST_DEVICE, see conftest); each check opens a fresh
+    engine object over its weights."""
+    return open_engine(hf_test_config)
 
 
 def _fresh(hf):

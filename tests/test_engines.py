@@ -33,17 +33,9 @@ from tests.sglang_standin import install_fake_sglang
 TESTS = Path(__file__).resolve().parent
 
 
-# The hf engine's tests run on the CPU; SELFPLAY_TEST_DEVICE=cuda runs them on a GPU (fp32 there
-# too, so that the batched-against-alone comparisons keep their tolerances).
-DEVICE = os.environ.get("SELFPLAY_TEST_DEVICE", "cpu")
-
-
 @pytest.fixture(scope="module")
-def hf(tiny_model):
-    config = HFEngineConfig(model=str(tiny_model), device=DEVICE, max_batch_size=16)
-    if DEVICE != "cpu":
-        config = config.model_copy(update={"dtype": "fp32"})
-    return open_engine(config)
+def hf(hf_test_config):
+    return open_engine(hf_test_config)  # SELFPLAY_TEST_DEVICE=cuda: on a GPU (conftest)
 
 
 def prompt(engine, text: str) -> list[int]:
