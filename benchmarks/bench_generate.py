@@ -5,9 +5,11 @@
   (b) hf engine, tiny random model, CPU: games/s with --concurrency 32 vs 1. Target ratio >= 4.
   (c) peak RSS of a generate process (synthetic engine, --concurrency 32) with N and 10 N games:
       it should stay flat (finished games go to disk, never stay in memory).
-  (d) hf engine vs a vLLM server (scripts/setup_vllm.sh's venv), SmolLM2-135M, the same games,
-      concurrency and dtype: games/s and tokens/s (server start apart), and the in-place weight
-      reload of one checkpoint (an untied copy of SmolLM2: vLLM keeps a tied head stale).
+  (d) hf engine (every core) vs a launched vLLM server (scripts/setup_vllm.sh's venv) on 1 core
+      and on every core, SmolLM2-135M (or --model, e.g. a warm-started checkpoint), the same
+      generate command (--games, --game, --table-size, --games-per-scenario, --partner,
+      --max-actions; T 1, seed 11): games/s and tokens/s (server start apart, printed beside), and
+      the in-place weight reload of one checkpoint (an untied copy: vLLM keeps a tied head stale).
   (e) hf engine, SmolLM2-135M (or --model, e.g. a warm-started checkpoint): the same 64 games
       with 1 torch thread and with every core (the default), one process each.
   (f) iterate's held-out evaluation (16 greedy games) and a round's generate (16 games) with the
@@ -17,7 +19,8 @@
       beside.
 
 Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d,e,f] [--latency 0.25,0.5,1.0]
-     [--model M --partner P --table-size N --max-actions A] (e; f takes --model)
+     [--model M --partner P --table-size N --max-actions A --games G] (d, e; f takes --model)
+     [--game NAME --games-per-scenario K] (d)
 Everything is offline: the tiny model is built into a temporary directory; (d) is not in the
 default parts (it builds the vLLM venv when missing and takes ~10 minutes on 2 cores), nor is
 (e) (SmolLM2 on CPU, 1-3 minutes).
@@ -172,32 +175,42 @@ def part_c(model: Path, tmp: Path, base: int = 64) -> list[tuple]:
     ]
 
 
-def part_d(tmp: Path, games: int = 32, concurrency: int = 32) -> list[tuple]:
-    """The same self-play games through the hf engine and through a launched vLLM server."""
+def part_d(tmp: Path, args) -> list[tuple]:
+    """The same games through the hf engine (every core) and through a launched vLLM server on 1
+    core and on every core (the server's threads bound by VLLM_CPU_OMP_THREADS_BIND; the game
+    loop shares them), then the in-place weight reload of one checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from selfplay.engines import HFEngineConfig, VLLMEngineConfig, open_engine
     from selfplay.generate.runner import run_generate
-    from selfplay.hardware import resolve_dtype
+    from selfplay.hardware import resolve_dtype, usable_cores
     from selfplay.models import resolve_model
 
     root = Path(__file__).resolve().parents[1]
     setup = subprocess.run(["bash", str(root / "scripts/setup_vllm.sh")], capture_output=True)
     python = str(root / setup.stdout.decode().strip().splitlines()[-1])
-    model = resolve_model(None)
+    model = resolve_model(args.model)
     dtype = resolve_dtype("auto", "cpu")
+    setting = (
+        f"{args.games} games of {args.game} {args.table_size}x{args.table_size}, "
+        f"{args.games_per_scenario} a scenario, partner {args.partner or 'self'}, "
+        f"{args.max_actions} actions, 64 new tokens, T 1, {dtype}"
+    )
 
     def config(out: str) -> GenerateConfig:
         return GenerateConfig(
-            out=tmp / out, num_games=games, model=model, concurrency=concurrency, table_size=3,
-            sampling=SamplingParams(max_new_tokens=64, temperature=0.7), seed=11,
+            out=tmp / out, num_games=args.games, model=model, game=args.game,
+            table_size=args.table_size, games_per_scenario=args.games_per_scenario,
+            partner=args.partner, max_actions=args.max_actions, seed=11,
+            sampling=SamplingParams(max_new_tokens=64, temperature=1.0),
         )  # fmt: skip
 
-    rows = []
-    hf = run_generate(config("d-hf"), HFEngineConfig(model=model, device="cpu", dtype=dtype))
+    runs = [("hf (in-process, every core)", run_generate(
+        config("d-hf"), HFEngineConfig(model=model, device="cpu", dtype=dtype)
+    ), None)]  # fmt: skip
     # an untied copy: the head is its own tensor, so an in-place reload is exact
-    untied = tmp / "smollm2-untied"
+    untied = tmp / "untied"
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     m.config.tie_word_embeddings = False
     m.lm_head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.detach().clone())
@@ -205,38 +218,43 @@ def part_d(tmp: Path, games: int = 32, concurrency: int = 32) -> list[tuple]:
     for f in Path(model).iterdir():  # tokenizer and chat template: all but weights and config
         if f.is_file() and not (f.suffix == ".safetensors" or f.name == "config.json"):
             (untied / f.name).write_bytes(f.read_bytes())
-    server = open_engine(
-        VLLMEngineConfig(model=str(untied), python=python, dtype=dtype, port=8077,
-                         log_path=str(tmp / "vllm.log"))
-    )  # fmt: skip
+    reload_s = None
+    for threads in sorted({1, usable_cores()}):
+        server = open_engine(
+            VLLMEngineConfig(model=str(untied), python=python, dtype=dtype, port=8077,
+                             cpu_threads=threads, log_path=str(tmp / f"vllm-{threads}.log"))
+        )  # fmt: skip
 
-    async def up() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        await server.start()
-        started = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        await server.load_weights(str(untied))
-        return started, time.perf_counter() - t0
+        async def up(server=server) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            await server.start()
+            started = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            await server.load_weights(str(untied))
+            return started, time.perf_counter() - t0
 
-    loop = asyncio.new_event_loop()
-    try:
-        started, reload_s = loop.run_until_complete(up())
-        vl = run_generate(config("d-vllm"), VLLMEngineConfig(model=str(untied), url=server.url))
-    finally:
-        loop.run_until_complete(server.aclose())
-        loop.close()
-    for name, r in (("hf (in-process)", hf), ("vLLM server", vl)):
+        loop = asyncio.new_event_loop()
+        try:
+            started, reload_s = loop.run_until_complete(up())
+            attached = VLLMEngineConfig(model=str(untied), url=server.url)
+            result = run_generate(config(f"d-vllm-{threads}"), attached)
+        finally:
+            loop.run_until_complete(server.aclose())
+            loop.close()
+        runs.append((f"vLLM server, {threads} core(s) (start {started:.0f} s)", result, started))
+    rows = []
+    hf = runs[0][1].stats
+    for name, r, _ in runs:
         st = r.stats
         rows.append((
-            f"(d) {name}, SmolLM2-135M {dtype}, CPU",
-            f"{games} self-play games 3x3, concurrency {concurrency}, 64 new tokens, T 0.7",
-            f"{st.games_per_s:.3f} games/s, {st.tokens_per_s:.0f} tok/s ({st.seconds:.0f} s)",
-            f"{st.games_per_s / hf.stats.games_per_s:.2f}x hf",
-            "",
+            f"(d) {name}", setting,
+            f"{st.games_per_s:.3f} games/s, {st.tokens_per_s:.0f} generated tok/s "
+            f"({st.seconds:.0f} s)",
+            f"{st.games_per_s / hf.games_per_s:.2f}x hf", "",
         ))  # fmt: skip
     rows.append((
-        "(d) vLLM server start / weight reload", "launch to healthy; reload_weights of SmolLM2",
-        f"{started:.0f} s / {reload_s:.2f} s", "", "",
+        "(d) vLLM weight reload", "reload_weights of an untied copy, in place",
+        f"{reload_s:.2f} s", "", "",
     ))  # fmt: skip
     return rows
 
@@ -386,11 +404,13 @@ def main() -> None:
     )
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--threads-child", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--model", default=None, help="(e): model (default SmolLM2-135M-Instruct)")
-    p.add_argument("--partner", default=None, help="(e): partner (default self-play)")
-    p.add_argument("--table-size", type=int, default=3, help="(e)")
-    p.add_argument("--max-actions", type=int, default=10, help="(e)")
-    p.add_argument("--games", type=int, default=64, help="(e)")
+    p.add_argument("--model", default=None, help="(d, e): model (default SmolLM2-135M-Instruct)")
+    p.add_argument("--partner", default=None, help="(d, e): partner (default self-play)")
+    p.add_argument("--table-size", type=int, default=3, help="(d, e)")
+    p.add_argument("--max-actions", type=int, default=10, help="(d, e)")
+    p.add_argument("--games", type=int, default=64, help="(d, e)")
+    p.add_argument("--game", default="matching", help="(d)")
+    p.add_argument("--games-per-scenario", type=int, default=4, help="(d)")
     args = p.parse_args()
     if args.threads_child:
         threads, model, out = args.threads_child
@@ -411,7 +431,7 @@ def main() -> None:
         if "c" in parts:
             rows += part_c(model, tmp)
         if "d" in parts:
-            rows += part_d(tmp)
+            rows += part_d(tmp, args)
         if "e" in parts:
             rows += part_e(tmp, args)
         if "f" in parts:

@@ -472,3 +472,51 @@ def test_gaps_view_lists_the_unknown_cells_and_the_askers_questions_copy_them_in
             for g in ("matching-ranked", "matching-gaps")
         )
         assert a.summary.reward_mean == b.summary.reward_mean
+
+
+def test_late_asker_asks_only_after_a_rejection_then_proposes_its_picks_with_the_answers():
+    """scripted:late-asker against shy-strict: no question before its first proposal is
+    rejected; after it, questions about its unknown cells in table order (as asker's), then a
+    'Highest first' message over its values and the answers, and a proposal of exactly those
+    picks. A game whose first proposal is accepted has no question."""
+    from selfplay.evaluate.scripted import play_scripted
+    from selfplay.game import GAMES
+    from selfplay.game.matching.prompts import unknown_cells
+    from selfplay.game.matching.scripted import _ANSWER, _QUESTION, greedy_picks, parse_picks
+
+    game = GAMES["matching-gaps"]
+    games = play_scripted(game, ("late-asker", "shy-strict"), num_games=40, seed=5, n=3,
+                          max_actions=20)  # fmt: skip
+    asked_in = accepted_first = repicked = 0
+    for g in games:
+        acts = g.actions
+        first = next(i for i, a in enumerate(acts) if a.seat == 0 and a.kind == "propose")
+        assert not any(_QUESTION.findall(a.text) for a in acts[:first] if a.seat == 0)
+        questions = [q for a in acts if a.seat == 0 for q in _QUESTION.findall(a.text)]
+        if first + 1 >= len(acts) or acts[first + 1].kind != "reject":
+            accepted_first += 1
+            assert questions == []
+            continue
+        own = g.scenario.view(0)
+        unknown = [(REVIEWERS[r], PAPERS_SHORT[p]) for r, p in unknown_cells(own)]
+        assert questions == unknown[: len(questions)]
+        assert len(questions) == min(len(unknown), 2 * (g.scenario.n - 1))
+        if not questions:
+            continue
+        asked_in += 1
+        answers = {
+            (REVIEWERS.index(name), PAPERS_SHORT.index(paper)): int(value)
+            for a in acts
+            if a.seat == 1
+            for name, paper, value in _ANSWER.findall(a.text)
+        }
+        expected = sorted((r, p) for r, p, _ in greedy_picks(own, answers))
+        said = [i for i, a in enumerate(acts) if i > first and "Highest first" in a.text]
+        if expected == sorted(map(tuple, acts[first].proposal)):
+            assert said == []  # the answers left the rejected picks: nothing new to say
+            continue
+        repicked += 1
+        assert parse_picks(acts[said[0]].text, 3) == expected
+        nxt = next(a for a in acts[said[0] :] if a.seat == 0 and a.kind == "propose")
+        assert sorted(map(tuple, nxt.proposal)) == expected
+    assert asked_in >= 5 and accepted_first >= 3 and repicked >= 3  # every branch was played

@@ -32,6 +32,11 @@ plays a fixed policy:
   assignment not yet rejected (as ``inquisitive``). Answers the partner's questions honestly.
 - ``picker``: ``asker`` without the questions: its picks come from its own values alone. The pair
   isolates what asking adds (against ``shy``, 3x3: about 0.84 against 0.76).
+- ``late-asker``: ``picker`` until its first proposal is rejected, then ``asker``: it asks about
+  the cells it does not know (table order, at most 2(n - 1)), says its picks over its values and
+  the answers, and proposes them (or, when they were rejected already, the best assignment not yet
+  rejected, without saying picks). Asking is its answer to a rejection, so a model cloned from a
+  mix of it and ``picker`` meets the choice, ask or propose again, in every rejected game.
 
 Partner values come in the partner's scale: the cooperative player estimates the ratio of the
 two scales from cells both know (or from the means when none overlap) before merging.
@@ -68,6 +73,7 @@ SCRIPTED_NAMES: tuple[str, ...] = (
     "explainer",
     "asker",
     "picker",
+    "late-asker",
 )
 
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
@@ -544,6 +550,34 @@ class Picker(Asker):
         super().__init__(scenario, seat, seed, max_questions=0, **kw)
 
 
+class LateAsker(Asker):
+    name = "late-asker"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, **kw) -> None:
+        super().__init__(scenario, seat, seed, **kw)
+        self.picked_over: frozenset | None = None  # the answers its last picks were said over
+
+    def question(self) -> tuple[int, int] | None:
+        """None until a proposal of its own was rejected; then ``asker``'s questions."""
+        return super().question() if self.rejected else None
+
+    def conclude(self) -> str:
+        """Say the picks over its values and the answers so far whenever the answers changed
+        them into an assignment not yet rejected, then propose them; otherwise propose the best
+        assignment not yet rejected (no picks message that the proposal would not copy)."""
+        steps = greedy_picks(self.view, self.partner_values)
+        picks = sorted((r, p) for r, p, _ in steps)
+        if picks in self.rejected:
+            self.proposed = self.best_untried(self.merged())
+            return self.propose(self.proposed)
+        answered = frozenset(self.partner_values)
+        if self.picked_over != answered:
+            self.picked_over = answered
+            return "[message] " + format_picks(steps)
+        self.proposed = picks
+        return self.propose(picks)
+
+
 def _index(names, text: str) -> int | None:
     folded = text.strip().casefold()
     return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
@@ -573,6 +607,8 @@ def make_scripted(
             return Asker(scenario, seat, seed, ranked=ranked)
         case "picker":
             return Picker(scenario, seat, seed, ranked=ranked)
+        case "late-asker":
+            return LateAsker(scenario, seat, seed, ranked=ranked)
         case _:
             raise ValueError(
                 f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
