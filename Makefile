@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-late ask-guided bench
+.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-late ask-notes ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables of matching-short (the rules in five
 # sentences: 311 tokens a warm-start row instead of 442): a warm start (behaviour cloning of the
@@ -172,6 +172,17 @@ ASK_LATE_ARGS ?= --name ask-late --game matching-gaps --table-size 3 \
 	--max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 1 --mini-batch-size 8 \
 	--eval-scenarios 48 --micro-batch-size 4 --no-eval-initial
 
+# ask-late on matching-notes: after each answer the game shows the seat its values merged with
+# the answers so far, highest first, so that the picks after asking are read off a list (in
+# ask-late the model asked the right cells but merged the answers wrongly: askers scored 0.240).
+ASK_NOTES_ARGS ?= --name ask-notes --game matching-notes --table-size 3 \
+	--partner scripted:shy-strict --warm-start scripted:picker:40,scripted:late-asker:8 \
+	--warm-start-partner run --warm-start-lr 2e-4 --warm-start-epochs 3 \
+	--warm-start-mini-batch-size 4 --algorithm expert-iteration --ei-top-k 1 --ei-min-reward 0.9 \
+	--ei-replay 0 --iterations 2 --games-per-iter 128 --games-per-scenario 4 --temperature 1.0 \
+	--max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 1 --mini-batch-size 8 \
+	--eval-scenarios 48 --micro-batch-size 4 --no-eval-initial
+
 # The guided-GRPO arm of the same question: a warm start that never asks (24 cooperative games
 # against shy), then GRPO rounds whose groups each get 2 games of scripted:inquisitive (it asks)
 # on the same scenario, trained off-policy with LUFFY's shaped loss.
@@ -243,6 +254,9 @@ ask-gaps: setup
 
 ask-late: setup
 	.venv/bin/selfplay iterate $(ASK_LATE_ARGS)
+
+ask-notes: setup
+	.venv/bin/selfplay iterate $(ASK_NOTES_ARGS)
 
 ask-guided: setup
 	.venv/bin/selfplay iterate $(ASK_GUIDED_ARGS)

@@ -520,3 +520,73 @@ def test_late_asker_asks_only_after_a_rejection_then_proposes_its_picks_with_the
         nxt = next(a for a in acts[said[0] :] if a.seat == 0 and a.kind == "propose")
         assert sorted(map(tuple, nxt.proposal)) == expected
     assert asked_in >= 5 and accepted_first >= 3 and repicked >= 3  # every branch was played
+
+
+def test_notes_view_shows_the_answers_merged_and_the_askers_picks_read_off_it():
+    """matching-notes: after each partner message that answers about a cell the seat does not
+    know, the seat is shown its known cells merged with every answer so far, highest first; a
+    restated answer shows nothing new; scripted:asker's picks after asking are the greedy walk
+    down the last such list; scripted pairs score game for game as on matching-gaps."""
+    import asyncio
+
+    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.game import GAMES
+    from selfplay.game.matching.prompts import NOTES_HEADER
+    from selfplay.game.matching.scripted import parse_picks
+
+    notes, gaps = GAMES["matching-notes"], GAMES["matching-gaps"]
+    seen_notes = checked_picks = 0
+    for seed in range(12):
+        s = generate_scenario(seed, 3 + seed % 2)
+        rules = notes.new_game(s, max_actions=30)
+        players = (notes.scripted("asker", s, 0), notes.scripted("shy", s, 1))
+        shown: list[list[str]] = [[notes.intro(s, 0)], [notes.intro(s, 1)]]
+        answers: dict[tuple[int, int], int] = {}
+        last_list: list[tuple[int, int, int]] | None = None
+        while not rules.done:
+            seat = rules.turn
+            observation, shown[seat] = "\n\n".join(shown[seat]), []
+            text = asyncio.run(players[seat].act(observation))
+            if seat == 0 and text.startswith("[message] Highest first") and last_list:
+                rows, cols, walk = set(), set(), []
+                for r, p, _ in last_list:  # the greedy walk down the list
+                    if r not in rows and p not in cols:
+                        walk.append((r, p))
+                        rows.add(r)
+                        cols.add(p)
+                if len(walk) == s.n:
+                    assert parse_picks(text, s.n) == sorted(walk)
+                    checked_picks += 1
+            result = rules.step(seat, text)
+            for k in (0, 1):
+                shown[k].extend(result.observations[k])
+            if seat == 1 and result.action.kind == "message":
+                view = s.view(0)
+                stated = {
+                    (REVIEWERS.index(name), PAPERS_SHORT.index(paper)): int(v)
+                    for name, paper, v in re.findall(r"(\w+ \w+) on (\w+): (\d+)", text)
+                }
+                new = {c: v for c, v in stated.items() if view[c[0]][c[1]] is None}
+                fresh = {c: v for c, v in new.items() if answers.get(c) != v}
+                answers.update(new)
+                listed = [o for o in result.observations[0] if o.startswith(NOTES_HEADER)]
+                assert len(listed) == (1 if fresh else 0)
+                if fresh:
+                    seen_notes += 1
+                    merged = {
+                        (r, p): v for r, row in enumerate(view) for p, v in enumerate(row) if v
+                    } | answers
+                    last_list = sorted(((r, p, v) for (r, p), v in merged.items()),
+                                       key=lambda c: (-c[2], c[0], c[1]))  # fmt: skip
+                    lines = listed[0].split("\n")[1:]
+                    assert lines == [
+                        f"{REVIEWERS[r]}: {PAPERS_SHORT[p]} {v}" for r, p, v in last_list
+                    ]
+    assert seen_notes >= 10 and checked_picks >= 5
+    for players in (("asker", "shy-strict"), ("late-asker", "shy-strict"), ("picker", "shy"),
+                    ("cooperative", "cooperative"), ("inquisitive", "shy")):  # fmt: skip
+        a, b = (
+            evaluate_scripted(g, players, num_games=30, seed=3, n=3, max_actions=20)
+            for g in (gaps, notes)
+        )
+        assert a.summary.reward_mean == b.summary.reward_mean

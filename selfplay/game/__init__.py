@@ -15,6 +15,7 @@ from selfplay.game.matching import (
     MATCHING,
     MATCHING_GAPS,
     MATCHING_LINES,
+    MATCHING_NOTES,
     MATCHING_RANKED,
     MATCHING_SHORT,
 )
@@ -35,7 +36,14 @@ from selfplay.game.matching.turns import Action, Game, StepResult
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
 GAMES: dict[str, DialogueGame] = {
     game.name: game
-    for game in (MATCHING, MATCHING_LINES, MATCHING_RANKED, MATCHING_SHORT, MATCHING_GAPS)
+    for game in (
+        MATCHING,
+        MATCHING_LINES,
+        MATCHING_RANKED,
+        MATCHING_SHORT,
+        MATCHING_GAPS,
+        MATCHING_NOTES,
+    )
 }
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
@@ -74,6 +82,7 @@ __all__ = [
     "MATCHING",
     "MATCHING_GAPS",
     "MATCHING_LINES",
+    "MATCHING_NOTES",
     "MATCHING_RANKED",
     "MATCHING_SHORT",
     "PAPERS",

@@ -31,6 +31,7 @@ class MatchingGame:
     name = "matching"
     table_format = "csv"
     instructions = "full"  # prompts.INSTRUCTIONS_BY_STYLE
+    notes = False  # turns.Game.notes: the merged list after each answer (matching-notes)
     min_size = MIN_N
     max_size = MAX_N
     scenario_type = Scenario
@@ -44,7 +45,7 @@ class MatchingGame:
         return _generate_scenario(seed, size)
 
     def new_game(self, scenario: Scenario, *, max_actions: int = 30, max_invalid: int = 3) -> Game:
-        return Game(scenario, max_actions=max_actions, max_invalid=max_invalid)
+        return Game(scenario, max_actions=max_actions, max_invalid=max_invalid, notes=self.notes)
 
     def intro(self, scenario: Scenario, seat: int) -> str:
         return prompts.intro(scenario, seat, self.table_format, self.instructions)
@@ -123,3 +124,17 @@ class MatchingGapsGame(MatchingRankedGame):
 
 
 MATCHING_GAPS = MatchingGapsGame()
+
+
+class MatchingNotesGame(MatchingGapsGame):
+    """matching-gaps where, after each partner message that answers about cells a seat does not
+    know ("Ava Li on GloVe: 375."), that seat is also shown its known cells merged with every such
+    answer so far, one a line, highest first (``prompts.NOTES_HEADER``). The picks after asking
+    are then read off a list, as the first picks are read off the table, instead of merged in the
+    model's head. Same rules, scenarios, rewards and scripted decisions (README, "Asking")."""
+
+    name = "matching-notes"
+    notes = True
+
+
+MATCHING_NOTES = MatchingNotesGame()

@@ -45,6 +45,9 @@ TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 # line rather than the result of checking the table (the matching-gaps game).
 TABLE_FORMATS = ("csv", "lines", "ranked", "gaps")
 GAPS_HEADER = "Not known to you:"
+# matching-notes: shown to a seat after each partner message that answers about cells it does
+# not know, then its known cells and the answers so far, one a line, highest first.
+NOTES_HEADER = "Your values and the answers so far, highest first:"
 _UNKNOWN = {
     "csv": "empty cells",
     "lines": "cells not listed",
@@ -105,6 +108,18 @@ def view_gaps(scenario: Scenario, seat: int) -> str:
     cells = unknown_cells(scenario.view(seat))
     gaps = [f"{scenario.reviewers[r]} on {PAPERS_SHORT[p]}" for r, p in cells] or ["none"]
     return "\n".join([view_ranked(scenario, seat), "", GAPS_HEADER, *gaps])
+
+
+def view_notes(scenario: Scenario, seat: int, answers: dict[tuple[int, int], int]) -> str:
+    """``NOTES_HEADER`` and the seat's known cells merged with the partner's answers about the
+    cells it does not know (values as stated), one a line in ``view_ranked``'s form, highest
+    first: the list the seat's picks over the answers are read from."""
+    merged = [list(row) for row in scenario.view(seat)]
+    for (r, p), v in answers.items():
+        if merged[r][p] is None:
+            merged[r][p] = v
+    lines = [f"{scenario.reviewers[r]}: {PAPERS_SHORT[p]} {v}" for r, p, v in ranked_cells(merged)]
+    return "\n".join([NOTES_HEADER, *lines])
 
 
 _VIEWS = {"csv": Scenario.view_csv, "lines": view_lines, "ranked": view_ranked, "gaps": view_gaps}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from selfplay.game.api import QuestionKind
-from selfplay.game.matching.rules import MAX_N, mentions
+from selfplay.game.matching.rules import MAX_N, PAPERS_SHORT, REVIEWERS, mentions
 
 _QUESTION_WORDS = (
     "what", "which", "who", "whom", "whose", "how", "why", "where", "when", "do", "does", "did",
@@ -49,3 +49,20 @@ def classify_question(text: str, n: int = MAX_N) -> QuestionKind:
         return "none"
     reviewers, papers = mentions(text, n)
     return "direct" if reviewers and papers else "general"
+
+
+# A stated value in a direct answer's words: "Ava Li on BLEU: 107" (scripted players answer so).
+ANSWER = re.compile(r"([A-Za-z]+(?: [A-Za-z]+)?) on ([A-Za-z0-9-]+): (\d+)")
+
+
+def parse_answers(text: str, n: int) -> dict[tuple[int, int], int]:
+    """The values ``text`` states in answer form, by (reviewer, paper) of an n x n table; names
+    outside the table are skipped."""
+    reviewers = [r.casefold() for r in REVIEWERS[:n]]
+    papers = [p.casefold() for p in PAPERS_SHORT[:n]]
+    found = {}
+    for name, paper, value in ANSWER.findall(text):
+        name, paper = name.strip().casefold(), paper.strip().casefold()
+        if name in reviewers and paper in papers:
+            found[reviewers.index(name), papers.index(paper)] = int(value)
+    return found

@@ -48,7 +48,8 @@ import re
 
 import numpy as np
 
-from selfplay.game.matching.prompts import ranked_cells, unknown_cells
+from selfplay.game.matching.prompts import NOTES_HEADER, ranked_cells, unknown_cells
+from selfplay.game.matching.questions import ANSWER as _ANSWER
 from selfplay.game.matching.questions import is_question
 from selfplay.game.matching.rules import (
     PAPERS_SHORT,
@@ -90,6 +91,8 @@ def partner_events(observation: str) -> list[tuple[str, str]]:
         body = observation[m.end() : end]
         if _CHOICES in body:
             body = body[: body.index(_CHOICES)]
+        if NOTES_HEADER in body:  # matching-notes' list: the game's, not the partner's words
+            body = body[: body.index(NOTES_HEADER)]
         events.append((m.group(1).lower(), body.strip()))
     return events
 
@@ -307,7 +310,6 @@ class RandomPlayer(ScriptedPlayer):
         return self.propose([(int(r), p) for p, r in enumerate(perm)])
 
 
-_ANSWER = re.compile(r"([A-Za-z]+(?: [A-Za-z]+)?) on ([A-Za-z0-9-]+): (\d+)")
 _QUESTION = re.compile(r"score for ([A-Za-z]+(?: [A-Za-z]+)?) on ([A-Za-z0-9-]+)\?")
 
 

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 
 from selfplay.game.api import GameOverError, Outcome
+from selfplay.game.matching.prompts import view_notes
+from selfplay.game.matching.questions import parse_answers
 from selfplay.game.matching.rules import Pairs, ProposalError, Scenario, parse_proposal
 
 ERR_EMPTY = "Cannot send empty message."
@@ -66,6 +68,10 @@ class Game:
     consecutive_invalid: int = 0
     outcome: Outcome | None = None
     final_proposal: Pairs | None = None
+    # matching-notes: after a message that answers about cells the receiving seat does not know,
+    # that seat is also shown its values merged with every such answer so far (``view_notes``)
+    notes: bool = False
+    answers: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
 
     def __post_init__(self) -> None:
         if self.max_actions < 1:
@@ -113,6 +119,10 @@ class Game:
             match action.kind:
                 case "message":
                     obs[partner].append(f"Partner: {body}")
+                    if self.notes and self._note_answers(partner, body):
+                        obs[partner].append(
+                            view_notes(self.scenario, partner, self.answers[partner])
+                        )
                     self.turn = partner
                 case "propose":
                     self.pending, self.pending_from = action.proposal, seat
@@ -129,6 +139,16 @@ class Game:
         if not self.done and len(self.actions) >= self.max_actions:
             self.outcome = Outcome.MAX_ACTIONS
         return StepResult(obs, self.done, self.outcome, action)
+
+    def _note_answers(self, seat: int, body: str) -> bool:
+        """Keep the values ``body`` states about cells ``seat`` does not know; whether any is
+        new (a value restated unchanged is not)."""
+        view = self.scenario.view(seat)
+        stated = parse_answers(body, self.scenario.n)
+        new = {c: v for c, v in stated.items() if view[c[0]][c[1]] is None}
+        new = {c: v for c, v in new.items() if self.answers[seat].get(c) != v}
+        self.answers[seat].update(new)
+        return bool(new)
 
     def _interpret(self, seat: int, text: str) -> Action:
         def invalid(kind: str, error: str) -> Action:
