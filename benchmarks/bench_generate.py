@@ -208,7 +208,7 @@ def part_d(tmp: Path, args) -> list[tuple]:
 
     runs = [("hf (in-process, every core)", run_generate(
         config("d-hf"), HFEngineConfig(model=model, device="cpu", dtype=dtype)
-    ), None)]  # fmt: skip
+    ))]  # fmt: skip
     # an untied copy: the head is its own tensor, so an in-place reload is exact
     untied = tmp / "untied"
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -241,10 +241,10 @@ def part_d(tmp: Path, args) -> list[tuple]:
         finally:
             loop.run_until_complete(server.aclose())
             loop.close()
-        runs.append((f"vLLM server, {threads} core(s) (start {started:.0f} s)", result, started))
+        runs.append((f"vLLM server, {threads} core(s) (start {started:.0f} s)", result))
     rows = []
     hf = runs[0][1].stats
-    for name, r, _ in runs:
+    for name, r in runs:
         st = r.stats
         rows.append((
             f"(d) {name}", setting,

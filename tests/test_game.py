@@ -482,7 +482,8 @@ def test_late_asker_asks_only_after_a_rejection_then_proposes_its_picks_with_the
     from selfplay.evaluate.scripted import play_scripted
     from selfplay.game import GAMES
     from selfplay.game.matching.prompts import unknown_cells
-    from selfplay.game.matching.scripted import _ANSWER, _QUESTION, greedy_picks, parse_picks
+    from selfplay.game.matching.questions import parse_answers
+    from selfplay.game.matching.scripted import _QUESTION, greedy_picks, parse_picks
 
     game = GAMES["matching-gaps"]
     games = play_scripted(game, ("late-asker", "shy-strict"), num_games=40, seed=5, n=3,
@@ -504,12 +505,10 @@ def test_late_asker_asks_only_after_a_rejection_then_proposes_its_picks_with_the
         if not questions:
             continue
         asked_in += 1
-        answers = {
-            (REVIEWERS.index(name), PAPERS_SHORT.index(paper)): int(value)
-            for a in acts
-            if a.seat == 1
-            for name, paper, value in _ANSWER.findall(a.text)
-        }
+        answers = {}
+        for a in acts:
+            if a.seat == 1:
+                answers.update(parse_answers(a.text, 3))
         expected = sorted((r, p) for r, p, _ in greedy_picks(own, answers))
         said = [i for i, a in enumerate(acts) if i > first and "Highest first" in a.text]
         if expected == sorted(map(tuple, acts[first].proposal)):

@@ -49,8 +49,7 @@ import re
 import numpy as np
 
 from selfplay.game.matching.prompts import NOTES_HEADER, ranked_cells, unknown_cells
-from selfplay.game.matching.questions import ANSWER as _ANSWER
-from selfplay.game.matching.questions import is_question
+from selfplay.game.matching.questions import is_question, parse_answers
 from selfplay.game.matching.rules import (
     PAPERS_SHORT,
     REVIEWERS,
@@ -342,10 +341,7 @@ class Inquisitive(Cooperative):
         if kind != "message":
             return
         self.partner_spoke = True
-        for name, paper, value in _ANSWER.findall(body):
-            cell = self._cell(name, paper)
-            if cell is not None:
-                self.partner_values[cell] = int(value)
+        self.partner_values.update(parse_answers(body, self.n))
         for name, paper in _QUESTION.findall(body):
             cell = self._cell(name, paper)
             if cell is not None:

@@ -143,11 +143,13 @@ class Game:
     def _note_answers(self, seat: int, body: str) -> bool:
         """Keep the values ``body`` states about cells ``seat`` does not know; whether any is
         new (a value restated unchanged is not)."""
-        view = self.scenario.view(seat)
-        stated = parse_answers(body, self.scenario.n)
-        new = {c: v for c, v in stated.items() if view[c[0]][c[1]] is None}
-        new = {c: v for c, v in new.items() if self.answers[seat].get(c) != v}
-        self.answers[seat].update(new)
+        view, kept = self.scenario.view(seat), self.answers[seat]
+        new = {
+            (r, p): v
+            for (r, p), v in parse_answers(body, self.scenario.n).items()
+            if view[r][p] is None and kept.get((r, p)) != v
+        }
+        kept.update(new)
         return bool(new)
 
     def _interpret(self, seat: int, text: str) -> Action:
