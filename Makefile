@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-late ask-notes ask-guided bench
+.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-late ask-notes ask-advice ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables of matching-short (the rules in five
 # sentences: 311 tokens a warm-start row instead of 442): a warm start (behaviour cloning of the
@@ -183,6 +183,19 @@ ASK_NOTES_ARGS ?= --name ask-notes --game matching-notes --table-size 3 \
 	--max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 1 --mini-batch-size 8 \
 	--eval-scenarios 48 --micro-batch-size 4 --no-eval-initial
 
+# Asking where the proposal is a copy: matching-advice shows each seat the best proposal by what
+# it knows (updated after each answer and rejection), so the one choice left to the model is ask
+# or propose (scripted beside shy-strict: advised 0.651 never asks, advised-asker 0.741). The
+# warm start clones 34 advised and 14 advised-asker games; expert iteration samples 8 games a
+# scenario and keeps those above their scenario's mean reward (>= 0.5): what set a game apart.
+ASK_ADVICE_ARGS ?= --name ask-advice --game matching-advice --table-size 3 \
+	--partner scripted:shy-strict --warm-start scripted:advised:34,scripted:advised-asker:14 \
+	--warm-start-partner run --warm-start-lr 2e-4 --warm-start-epochs 3 \
+	--warm-start-mini-batch-size 4 --algorithm expert-iteration --ei-top-k 8 --ei-min-reward 0.5 \
+	--ei-above-mean --ei-replay 0 --iterations 3 --games-per-iter 128 --games-per-scenario 8 \
+	--temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 2 \
+	--mini-batch-size 8 --eval-scenarios 96 --micro-batch-size 4 --no-eval-initial
+
 # The guided-GRPO arm of the same question: a warm start that never asks (24 cooperative games
 # against shy), then GRPO rounds whose groups each get 2 games of scripted:inquisitive (it asks)
 # on the same scenario, trained off-policy with LUFFY's shaped loss.
@@ -257,6 +270,9 @@ ask-late: setup
 
 ask-notes: setup
 	.venv/bin/selfplay iterate $(ASK_NOTES_ARGS)
+
+ask-advice: setup
+	.venv/bin/selfplay iterate $(ASK_ADVICE_ARGS)
 
 ask-guided: setup
 	.venv/bin/selfplay iterate $(ASK_GUIDED_ARGS)

@@ -38,6 +38,13 @@ def test_selection_keeps_the_best_of_each_scenario_above_the_threshold():
     assert ids(select_games(games, 2, 0.5)) == ["a-g1", "a-g2", "c-g0", "c-g3"]
     assert ids(select_games(games, 2, 0.35)) == ["a-g1", "a-g2", "b-g1", "c-g0", "c-g3"]
     assert ids(select_games(games, 4, 2.0)) == []
+    # above the scenario's mean (a 0.65, b 0.2, c 0.75): a tie with the mean is not above it
+    assert ids(select_games(games, 4, 0.0, above_mean=True)) == [
+        "a-g1", "a-g2", "b-g1", "b-g2", "c-g0", "c-g3"
+    ]  # fmt: skip
+    assert ids(select_games(games, 1, 0.5, above_mean=True)) == ["a-g1", "c-g0"]
+    alike = _games({"d": [0.7, 0.7, 0.7], "e": [0.0, 1.0, 1.0]})  # 0.7 * 3 / 3 < 0.7 in floats
+    assert ids(select_games(alike, 3, 0.0, above_mean=True)) == ["e-g1", "e-g2"]
 
 
 @given(
@@ -48,14 +55,18 @@ def test_selection_keeps_the_best_of_each_scenario_above_the_threshold():
     ),
     st.integers(1, 4),
     st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+    st.booleans(),
 )
-def test_selection_properties(rewards, k, threshold):
+def test_selection_properties(rewards, k, threshold, above_mean):
     games = _games(rewards)
-    kept = select_games(games, k, threshold)
+    kept = select_games(games, k, threshold, above_mean)
     assert [g for g in games if g in kept] == kept  # input order
     for s, rs in rewards.items():
         mine = [g for g in kept if g.scenario_id == s]
-        eligible = sorted((r for r in rs if r >= threshold), reverse=True)
+        mean = sum(rs) / len(rs)
+        eligible = sorted(
+            (r for r in rs if r >= threshold and (not above_mean or r > mean)), reverse=True
+        )
         assert sorted((g.reward for g in mine), reverse=True) == eligible[:k]
 
 

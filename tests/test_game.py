@@ -589,3 +589,84 @@ def test_notes_view_shows_the_answers_merged_and_the_askers_picks_read_off_it():
             for g in (gaps, notes)
         )
         assert a.summary.reward_mean == b.summary.reward_mean
+
+
+def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_copy_it():
+    """matching-advice: the table ends with the best proposal by the seat's own values; after a
+    partner message stating a value new to the seat, and after the partner rejects the seat's
+    proposal, the seat is shown the best proposal by its values and every stated value (in its
+    scale) that it has not had rejected; nothing else shows it. The advised players' every
+    proposal is the text of the last advice they were shown, advised never asks, advised-asker
+    asks the gaps list's cells in order, advised-late-asker only after a rejection; scripted
+    decisions are the same as on matching-gaps."""
+    import asyncio
+
+    from selfplay.evaluate.scripted import evaluate_scripted
+    from selfplay.game import GAMES
+    from selfplay.game.matching.prompts import ADVICE_HEADER, GAPS_HEADER, unknown_cells
+    from selfplay.game.matching.questions import parse_answers
+    from selfplay.game.matching.rules import best_assignment, estimate_table, parse_proposal
+    from selfplay.game.matching.scripted import _QUESTION
+
+    game, gaps = GAMES["matching-advice"], GAMES["matching-gaps"]
+    counts = {"answer": 0, "reject": 0, "asked": 0}
+    for seed in range(16):
+        s = generate_scenario(seed, 3 + seed % 2)
+        intro = game.intro(s, 0)
+        assert intro.split(ADVICE_HEADER)[0].rstrip() == gaps.intro(s, 0).split("\n\nYou")[0]
+        assert GAPS_HEADER in intro and "\n\nYou start" in intro
+        first = parse_proposal(intro.split(ADVICE_HEADER + "\n")[1].split("\n\n")[0], s.n)
+        assert first == best_assignment(estimate_table(s.view(0), {}))[0]
+        name = ("advised", "advised-asker", "advised-late-asker")[seed % 3]
+        partner = ("shy-strict", "shy")[seed % 2]
+        rules = game.new_game(s, max_actions=24)
+        players = (game.scripted(name, s, 0), game.scripted(partner, s, 1))
+        shown: list[list[str]] = [[game.intro(s, 0)], [game.intro(s, 1)]]
+        advice = intro.split(ADVICE_HEADER + "\n")[1].split("\n\n")[0]
+        stated: dict[tuple[int, int], int] = {}
+        rejected: list = []
+        questions: list[str] = []
+        while not rules.done:
+            seat = rules.turn
+            observation, shown[seat] = "\n\n".join(shown[seat]), []
+            text = asyncio.run(players[seat].act(observation))
+            if seat == 0 and text.startswith("[propose]"):
+                assert text == "[propose] " + advice
+            if seat == 0:
+                questions += [f"{r} on {p}" for r, p in _QUESTION.findall(text)]
+            result = rules.step(seat, text)
+            for k in (0, 1):
+                shown[k].extend(result.observations[k])
+            told = [o for o in result.observations[0] if o.startswith(ADVICE_HEADER)]
+            kind = result.action.kind
+            new = {}
+            if seat == 1 and kind == "message":
+                new = {c: v for c, v in parse_answers(text, s.n).items() if stated.get(c) != v}
+                stated.update(new)
+            if seat == 1 and kind == "reject":
+                rejected.append(parse_proposal(advice.removeprefix("[propose] "), s.n))
+                counts["reject"] += 1
+            assert len(told) == (1 if new or (seat == 1 and kind == "reject") else 0)
+            if told:
+                counts["answer"] += bool(new)
+                advice = told[0].split("\n", 1)[1]
+                pairs = parse_proposal(advice, s.n)
+                estimate = estimate_table(s.view(0), stated)
+                if not rejected:
+                    assert pairs == best_assignment(estimate)[0]
+                elif len(rejected) < 2:  # one rejected: its best neighbour, never itself
+                    assert pairs not in rejected
+        order = [f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}" for r, p in unknown_cells(s.view(0))]
+        if name == "advised":
+            assert questions == []
+        else:
+            assert questions == order[: len(questions)]
+            counts["asked"] += bool(questions)
+    assert counts["answer"] >= 5 and counts["reject"] >= 3 and counts["asked"] >= 4
+    for players in (("advised-asker", "shy-strict"), ("advised-late-asker", "shy"),
+                    ("advised", "shy-strict"), ("asker", "shy")):  # fmt: skip
+        a, b = (
+            evaluate_scripted(g, players, num_games=30, seed=3, n=3, max_actions=20)
+            for g in (gaps, game)
+        )
+        assert a.summary.reward_mean == b.summary.reward_mean

@@ -274,7 +274,7 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
         "keep_degenerate", "invalid_penalty", "train", "warm_start", "warm_start_lr",
         "warm_start_epochs", "warm_start_mini_batch_size", "eval_scenarios", "eval_seed",
         "eval_initial", "eval_beside_generate", "loggers", "algorithm", "ei_top_k",
-        "ei_min_reward", "ei_replay",
+        "ei_min_reward", "ei_replay", "ei_above_mean",
         "ei_invalid_turns",
         "guide",
         "guide_games",

@@ -13,6 +13,7 @@ from selfplay.errors import UserError
 from selfplay.game.api import DialogueGame, GameOverError, Outcome
 from selfplay.game.matching import (
     MATCHING,
+    MATCHING_ADVICE,
     MATCHING_GAPS,
     MATCHING_LINES,
     MATCHING_NOTES,
@@ -43,6 +44,7 @@ GAMES: dict[str, DialogueGame] = {
         MATCHING_SHORT,
         MATCHING_GAPS,
         MATCHING_NOTES,
+        MATCHING_ADVICE,
     )
 }
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
@@ -80,6 +82,7 @@ __all__ = [
     "DEFAULT_GAME",
     "GAMES",
     "MATCHING",
+    "MATCHING_ADVICE",
     "MATCHING_GAPS",
     "MATCHING_LINES",
     "MATCHING_NOTES",

@@ -101,6 +101,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     ei_min_reward: float = Field(
         0.5, description="expert-iteration: a kept game's reward is at least this."
     )
+    ei_above_mean: bool = Field(
+        False,
+        description="expert-iteration: a kept game also scores strictly above the mean of its "
+        "scenario's games (a scenario whose games all scored alike gives none).",
+    )
     ei_replay: int = Field(
         1,
         ge=0,
@@ -284,6 +289,7 @@ ADDED_LATER = {
     "ei_min_reward": 0.5,
     "ei_invalid_turns": "train",  # runs before it cloned every turn of a kept game
     "ei_replay": 1,
+    "ei_above_mean": False,
     "warm_start_partner": "self",
     "guide": None,
     "guide_games": 2,

@@ -13,6 +13,14 @@ least ``min_reward``. With the defaults (top 1, reward >= 0.5) each scenario giv
 best game, and only when that game reached an agreement worth at least half the best assignment:
 a failed game is never cloned, whatever its scenario's other games did.
 
+With ``ei_above_mean`` a kept game must also score strictly above the mean of its scenario's
+games: a scenario whose games all scored alike gives none, so what is cloned is what set a game
+apart from the others on its scenario (a binary advantage, as GRPO's sign). Beside shy-strict on
+matching-advice, where asking decides 17% of the scenarios (the advised players: asking wins 14%,
+loses 3%), a policy that asks in 30% of its games sampled 8 times a scenario keeps asking games
+as 67% of the kept ones this way, against 34% with reward >= 0.9 alone (scripted outcomes,
+README "Asking").
+
 A kept game can still hold moves the rules refused (a proposal naming one reviewer twice, then a
 valid one that was accepted). Cloning those teaches the model to make them, and a round's kept
 games then hold more of them (measured: 5 of 32 of the model's kept turns in ``ask4r``'s round 0,
@@ -52,17 +60,26 @@ from selfplay.records import GameRecord, iter_game_records, line_game_id
 log = logging.getLogger(__name__)
 
 
-def select_games(records: Iterable[GameRecord], top_k: int, min_reward: float) -> list[GameRecord]:
+def select_games(
+    records: Iterable[GameRecord], top_k: int, min_reward: float, above_mean: bool = False
+) -> list[GameRecord]:
     """The games expert iteration keeps, in their input order: per scenario the ``top_k`` with
-    the highest reward (ties: the earlier game), of those with reward >= ``min_reward``."""
+    the highest reward (ties: the earlier game), of those with reward >= ``min_reward`` and, with
+    ``above_mean``, strictly above the mean reward of their scenario's games."""
     records = list(records)
     by_scenario: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(records):
         by_scenario[r.scenario_id].append(i)
     kept: set[int] = set()
     for indices in by_scenario.values():
-        ranked = sorted(indices, key=lambda i: (-records[i].reward, i))
-        kept.update(i for i in ranked[:top_k] if records[i].reward >= min_reward)
+        mean = sum(records[i].reward for i in indices) / len(indices)
+        eligible = [
+            i
+            for i in indices
+            if records[i].reward >= min_reward
+            and (not above_mean or records[i].reward > mean + 1e-9)  # equal rewards: none
+        ]
+        kept.update(sorted(eligible, key=lambda i: (-records[i].reward, i))[:top_k])
     return [r for i, r in enumerate(records) if i in kept]
 
 
@@ -115,7 +132,7 @@ def select_stage(
     _hold(cfg.run_dir, "convert")
     rdir = cfg.round_dir(k)
     games = list(iter_game_records(rdir / "games.jsonl"))
-    kept = select_games(games, cfg.ei_top_k, cfg.ei_min_reward)
+    kept = select_games(games, cfg.ei_top_k, cfg.ei_min_reward, cfg.ei_above_mean)
     kept_ids = {r.game_id for r in kept}
     lines = [
         line
@@ -150,7 +167,7 @@ def select_stage(
         "invalid_turns_skipped": skipped,
     }
     log.info(
-        "round %d: kept %d of %d games (top %d per scenario, reward >= %s): mean reward %.3f "
+        "round %d: kept %d of %d games (top %d per scenario, reward >= %s%s): mean reward %.3f "
         "of all, %.3f of the kept; with %d kept in earlier rounds, %d rows (%d invalid turns "
         "not cloned)",
         k,
@@ -158,6 +175,7 @@ def select_stage(
         len(games),
         cfg.ei_top_k,
         cfg.ei_min_reward,
+        ", above its scenario's mean" if cfg.ei_above_mean else "",
         info["reward_mean_all"] or 0.0,
         info["reward_mean_kept"] or 0.0,
         len(replayed),

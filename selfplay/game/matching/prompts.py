@@ -5,7 +5,16 @@ Players turn these strings into chat turns; the game itself only produces plain 
 
 from __future__ import annotations
 
-from selfplay.game.matching.rules import PAPERS, PAPERS_SHORT, REVIEWERS, Scenario
+from selfplay.game.matching.rules import (
+    PAPERS,
+    PAPERS_SHORT,
+    REVIEWERS,
+    Pairs,
+    Scenario,
+    best_untried,
+    estimate_table,
+    format_proposal,
+)
 
 INSTRUCTIONS = """\
 You and your partner are area chairs for a conference. Together you must assign {n} reviewers to \
@@ -42,17 +51,23 @@ TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 # first line rather than the result of comparisons (the matching-ranked game), or "gaps", the
 # ranked lines and then the cells the seat does not know, one a line in table order, in the words
 # of a direct question ("Ava Li on GloVe"), so that asking about an unknown cell is a copy of a
-# line rather than the result of checking the table (the matching-gaps game).
-TABLE_FORMATS = ("csv", "lines", "ranked", "gaps")
+# line rather than the result of checking the table (the matching-gaps game), or "advice", the
+# gaps view and then the best proposal by what the seat knows (``view_advice``), shown again
+# whenever an answer or a rejection changes what it knows (the matching-advice game).
+TABLE_FORMATS = ("csv", "lines", "ranked", "gaps", "advice")
 GAPS_HEADER = "Not known to you:"
 # matching-notes: shown to a seat after each partner message that answers about cells it does
 # not know, then its known cells and the answers so far, one a line, highest first.
 NOTES_HEADER = "Your values and the answers so far, highest first:"
+# matching-advice: the best assignment by the seat's values and the partner's answers (in the
+# seat's scale) among those the partner has not rejected, as a proposal to copy.
+ADVICE_HEADER = "Best proposal by what you know, not yet rejected:"
 _UNKNOWN = {
     "csv": "empty cells",
     "lines": "cells not listed",
     "ranked": "cells not listed",
     "gaps": f'the cells under "{GAPS_HEADER}"',
+    "advice": f'the cells under "{GAPS_HEADER}"',
 }
 YOU_START = "You start the conversation."
 
@@ -122,7 +137,33 @@ def view_notes(scenario: Scenario, seat: int, answers: dict[tuple[int, int], int
     return "\n".join([NOTES_HEADER, *lines])
 
 
-_VIEWS = {"csv": Scenario.view_csv, "lines": view_lines, "ranked": view_ranked, "gaps": view_gaps}
+def view_advice(
+    scenario: Scenario,
+    seat: int,
+    stated: dict[tuple[int, int], int],
+    rejected: list[Pairs],
+) -> str:
+    """``ADVICE_HEADER`` and the proposal (``format_proposal``) of the best assignment by the
+    seat's values and the partner's ``stated`` ones (``rules.estimate_table``) that is not among
+    the seat's ``rejected`` proposals (``rules.best_untried``): the proposal ``scripted:advised``
+    makes, so that proposing well is a copy."""
+    estimate = estimate_table(scenario.view(seat), stated)
+    pairs = best_untried(estimate, rejected)
+    return ADVICE_HEADER + "\n" + format_proposal(pairs, scenario.n)
+
+
+def view_gaps_advice(scenario: Scenario, seat: int) -> str:
+    """``view_gaps``, then the advice before anything is said (``view_advice``)."""
+    return view_gaps(scenario, seat) + "\n\n" + view_advice(scenario, seat, {}, [])
+
+
+_VIEWS = {
+    "csv": Scenario.view_csv,
+    "lines": view_lines,
+    "ranked": view_ranked,
+    "gaps": view_gaps,
+    "advice": view_gaps_advice,
+}
 
 
 def intro(

@@ -120,6 +120,43 @@ def best_assignment(table) -> tuple[Pairs, int]:
     return pairs, int(arr[rows, cols].sum())
 
 
+def estimate_table(view: list[list[int | None]], stated: dict[tuple[int, int], int]) -> np.ndarray:
+    """A seat's estimate of the table in its own scale: its known values, the partner's stated
+    values converted by the ratio of the two scales (median over cells both know, else the ratio
+    of the means), the mean elsewhere."""
+    own = np.array([[np.nan if v is None else v for v in row] for row in view], dtype=float)
+    theirs = np.full_like(own, np.nan)
+    for (r, p), v in stated.items():
+        theirs[r, p] = v
+    both = np.isfinite(own) & np.isfinite(theirs) & (own > 0)
+    if both.any():
+        ratio = float(np.median(theirs[both] / own[both]))
+    elif np.isfinite(own).any() and np.isfinite(theirs).any():
+        ratio = float(np.nanmean(theirs) / max(np.nanmean(own), 1e-9))
+    else:
+        ratio = 1.0
+    merged = np.where(np.isfinite(own), own, theirs / max(ratio, 1e-9))
+    fill = np.nanmean(merged) if np.isfinite(merged).any() else 0.0
+    return np.where(np.isnan(merged), fill, merged)
+
+
+def best_untried(estimate: np.ndarray, rejected: list[Pairs]) -> Pairs:
+    """The best assignment of ``estimate`` not in ``rejected`` (each rejected one's next best: the
+    best with one of its pairs forbidden); the best one when every such option was rejected."""
+    best = best_assignment(estimate)[0]
+    if best not in rejected:
+        return best
+    options = []
+    for pairs_rejected in rejected:
+        for r, p in pairs_rejected:
+            trial = estimate.copy()
+            trial[r, p] = -1e9
+            pairs, value = best_assignment(trial)
+            if pairs not in rejected:
+                options.append((value, pairs))
+    return max(options)[1] if options else best
+
+
 def _solo_reward(table: np.ndarray, known: np.ndarray) -> int:
     """Reference solo score: optimum of own known values (50 elsewhere), scored on the truth."""
     from scipy.optimize import linear_sum_assignment

@@ -48,7 +48,12 @@ import re
 
 import numpy as np
 
-from selfplay.game.matching.prompts import NOTES_HEADER, ranked_cells, unknown_cells
+from selfplay.game.matching.prompts import (
+    ADVICE_HEADER,
+    NOTES_HEADER,
+    ranked_cells,
+    unknown_cells,
+)
 from selfplay.game.matching.questions import is_question, parse_answers
 from selfplay.game.matching.rules import (
     PAPERS_SHORT,
@@ -57,6 +62,8 @@ from selfplay.game.matching.rules import (
     ProposalError,
     Scenario,
     best_assignment,
+    best_untried,
+    estimate_table,
     format_proposal,
     mentions,
     parse_proposal,
@@ -74,6 +81,9 @@ SCRIPTED_NAMES: tuple[str, ...] = (
     "asker",
     "picker",
     "late-asker",
+    "advised",
+    "advised-asker",
+    "advised-late-asker",
 )
 
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
@@ -90,8 +100,9 @@ def partner_events(observation: str) -> list[tuple[str, str]]:
         body = observation[m.end() : end]
         if _CHOICES in body:
             body = body[: body.index(_CHOICES)]
-        if NOTES_HEADER in body:  # matching-notes' list: the game's, not the partner's words
-            body = body[: body.index(NOTES_HEADER)]
+        for header in (NOTES_HEADER, ADVICE_HEADER):  # the game's lines, not the partner's words
+            if header in body:
+                body = body[: body.index(header)]
         events.append((m.group(1).lower(), body.strip()))
     return events
 
@@ -208,22 +219,7 @@ class Cooperative(ScriptedPlayer):
 
     def merged(self) -> np.ndarray:
         """Own view plus the partner's values converted to this seat's scale."""
-        own = np.array(
-            [[np.nan if v is None else v for v in row] for row in self.view], dtype=float
-        )
-        theirs = np.full_like(own, np.nan)
-        for (r, p), v in self.partner_values.items():
-            theirs[r, p] = v
-        both = np.isfinite(own) & np.isfinite(theirs) & (own > 0)
-        if both.any():
-            ratio = float(np.median(theirs[both] / own[both]))
-        elif np.isfinite(own).any() and np.isfinite(theirs).any():
-            ratio = float(np.nanmean(theirs) / max(np.nanmean(own), 1e-9))
-        else:
-            ratio = 1.0
-        merged = np.where(np.isfinite(own), own, theirs / max(ratio, 1e-9))
-        fill = np.nanmean(merged) if np.isfinite(merged).any() else 0.0
-        return np.where(np.isnan(merged), fill, merged)
+        return estimate_table(self.view, self.partner_values)
 
     def decide(self) -> str:
         # a pending proposal must be answered first (the rules allow nothing else), even before
@@ -393,20 +389,8 @@ class Inquisitive(Cooperative):
         return best_cell
 
     def best_untried(self, estimate: np.ndarray) -> Pairs:
-        """The best assignment the partner has not rejected (each rejected one's next best: the
-        best with one of its pairs forbidden)."""
-        best = best_assignment(estimate)[0]
-        if best not in self.rejected:
-            return best
-        options = []
-        for rejected in self.rejected:
-            for r, p in rejected:
-                trial = estimate.copy()
-                trial[r, p] = -1e9
-                pairs, value = best_assignment(trial)
-                if pairs not in self.rejected:
-                    options.append((value, pairs))
-        return max(options)[1] if options else best
+        """The best assignment the partner has not rejected (``rules.best_untried``)."""
+        return best_untried(estimate, self.rejected)
 
     def decide(self) -> str:
         if self.pending is not None:
@@ -576,6 +560,37 @@ class LateAsker(Asker):
         return self.propose(picks)
 
 
+class Advised(Inquisitive):
+    """Never asks: proposes the best assignment by what it knows that the partner has not
+    rejected (``Inquisitive.conclude``): exactly the proposal matching-advice shows the seat
+    (``prompts.view_advice``), so that cloning it is copying the advice."""
+
+    name = "advised"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, **kw) -> None:
+        super().__init__(scenario, seat, seed, max_questions=0, **kw)
+
+
+class AdvisedAsker(Inquisitive):
+    """``asker``'s questions (the unknown cells in table order, at most 2(n-1)), then the advice:
+    the best assignment by its values and the answers that is not yet rejected."""
+
+    name = "advised-asker"
+    question = Asker.question
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, **kw) -> None:
+        super().__init__(scenario, seat, seed, max_questions=2 * (scenario.n - 1), **kw)
+
+
+class AdvisedLateAsker(AdvisedAsker):
+    """``advised`` until its first proposal is rejected, then ``advised-asker``."""
+
+    name = "advised-late-asker"
+
+    def question(self) -> tuple[int, int] | None:
+        return AdvisedAsker.question(self) if self.rejected else None
+
+
 def _index(names, text: str) -> int | None:
     folded = text.strip().casefold()
     return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
@@ -607,6 +622,12 @@ def make_scripted(
             return Picker(scenario, seat, seed, ranked=ranked)
         case "late-asker":
             return LateAsker(scenario, seat, seed, ranked=ranked)
+        case "advised":
+            return Advised(scenario, seat, seed, ranked=ranked)
+        case "advised-asker":
+            return AdvisedAsker(scenario, seat, seed, ranked=ranked)
+        case "advised-late-asker":
+            return AdvisedLateAsker(scenario, seat, seed, ranked=ranked)
         case _:
             raise ValueError(
                 f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"

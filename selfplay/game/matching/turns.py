@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from selfplay.game.api import GameOverError, Outcome
-from selfplay.game.matching.prompts import view_notes
+from selfplay.game.matching.prompts import view_advice, view_notes
 from selfplay.game.matching.questions import parse_answers
 from selfplay.game.matching.rules import Pairs, ProposalError, Scenario, parse_proposal
 
@@ -72,6 +72,12 @@ class Game:
     # that seat is also shown its values merged with every such answer so far (``view_notes``)
     notes: bool = False
     answers: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
+    # matching-advice: after a partner message that states a value (``parse_answers``) new to a
+    # seat, and after the partner rejects the seat's proposal, that seat is shown the best
+    # proposal by what it knows that is not yet rejected (``view_advice``)
+    advice: bool = False
+    stated: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
+    rejected: tuple[list, list] = field(default_factory=lambda: ([], []))
 
     def __post_init__(self) -> None:
         if self.max_actions < 1:
@@ -123,6 +129,8 @@ class Game:
                         obs[partner].append(
                             view_notes(self.scenario, partner, self.answers[partner])
                         )
+                    if self.advice and self._note_stated(partner, body):
+                        obs[partner].append(self._advice(partner))
                     self.turn = partner
                 case "propose":
                     self.pending, self.pending_from = action.proposal, seat
@@ -134,6 +142,9 @@ class Game:
                     self.outcome = Outcome.ACCEPTED
                 case "reject":
                     obs[partner].append("Partner: [reject]")
+                    if self.advice and self.pending_from == partner:
+                        self.rejected[partner].append(self.pending)
+                        obs[partner].append(self._advice(partner))
                     self.pending = self.pending_from = None
                     obs[seat].append(REJECTED_YOUR_TURN)  # the rejecting seat keeps the turn
         if not self.done and len(self.actions) >= self.max_actions:
@@ -151,6 +162,17 @@ class Game:
         }
         kept.update(new)
         return bool(new)
+
+    def _note_stated(self, seat: int, body: str) -> bool:
+        """Keep every value ``body`` states (``parse_answers``: known cells too, they relate the
+        two scales); whether any is new to ``seat``."""
+        kept = self.stated[seat]
+        new = {c: v for c, v in parse_answers(body, self.scenario.n).items() if kept.get(c) != v}
+        kept.update(new)
+        return bool(new)
+
+    def _advice(self, seat: int) -> str:
+        return view_advice(self.scenario, seat, self.stated[seat], self.rejected[seat])
 
     def _interpret(self, seat: int, text: str) -> Action:
         def invalid(kind: str, error: str) -> Action:
