@@ -184,15 +184,15 @@ ASK_NOTES_ARGS ?= --name ask-notes --game matching-notes --table-size 3 \
 	--eval-scenarios 48 --micro-batch-size 4 --no-eval-initial
 
 # Asking where the proposal is a copy: matching-advice shows each seat the best proposal by what
-# it knows (updated after each answer and rejection), so the one choice left to the model is ask
-# or propose (scripted beside shy-strict: advised 0.651 never asks, advised-asker 0.741). The
+# it knows (updated after each answer and rejection) and, once it has asked, the cells left to
+# ask, so the one choice left to the model is ask or propose (scripted beside shy-strict: advised 0.651 never asks, advised-asker 0.741). The
 # warm start clones 34 advised and 14 advised-asker games; expert iteration samples 8 games a
 # scenario and keeps those above their scenario's mean reward (>= 0.5): what set a game apart.
 ASK_ADVICE_ARGS ?= --name ask-advice --game matching-advice --table-size 3 \
 	--partner scripted:shy-strict --warm-start scripted:advised:34,scripted:advised-asker:14 \
 	--warm-start-partner run --warm-start-lr 2e-4 --warm-start-epochs 3 \
 	--warm-start-mini-batch-size 4 --algorithm expert-iteration --ei-top-k 8 --ei-min-reward 0.5 \
-	--ei-above-mean --ei-replay 0 --iterations 3 --games-per-iter 128 --games-per-scenario 8 \
+	--ei-above-mean --ei-replay 0 --iterations 2 --games-per-iter 128 --games-per-scenario 8 \
 	--temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 2 \
 	--mini-batch-size 8 --eval-scenarios 96 --micro-batch-size 4 --no-eval-initial
 

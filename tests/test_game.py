@@ -593,28 +593,34 @@ def test_notes_view_shows_the_answers_merged_and_the_askers_picks_read_off_it():
 
 def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_copy_it():
     """matching-advice: the table ends with the best proposal by the seat's own values; after a
-    partner message stating a value new to the seat, and after the partner rejects the seat's
-    proposal, the seat is shown the best proposal by its values and every stated value (in its
-    scale) that it has not had rejected; nothing else shows it. The advised players' every
-    proposal is the text of the last advice they were shown, advised never asks, advised-asker
-    asks the gaps list's cells in order, advised-late-asker only after a rejection; scripted
-    decisions are the same as on matching-gaps."""
+    partner message stating a value new to the seat or replying to its question, and after the
+    partner rejects the seat's proposal, the seat is shown (once it has asked) the cells left to
+    ask, then the best proposal by its values and every stated value (in its scale) that it has
+    not had rejected; nothing else shows it. The advised players' every proposal is the text of
+    the last advice they were shown and every question after the first is the first line left
+    to ask; advised never asks, advised-asker asks the gaps list's cells in order,
+    advised-late-asker only after a rejection; scripted decisions equal matching-gaps'."""
     import asyncio
 
     from selfplay.evaluate.scripted import evaluate_scripted
     from selfplay.game import GAMES
-    from selfplay.game.matching.prompts import ADVICE_HEADER, GAPS_HEADER, unknown_cells
+    from selfplay.game.matching.prompts import (
+        ADVICE_HEADER,
+        GAPS_HEADER,
+        LEFT_HEADER,
+        unknown_cells,
+    )
     from selfplay.game.matching.questions import parse_answers
     from selfplay.game.matching.rules import best_assignment, estimate_table, parse_proposal
     from selfplay.game.matching.scripted import _QUESTION
 
     game, gaps = GAMES["matching-advice"], GAMES["matching-gaps"]
-    counts = {"answer": 0, "reject": 0, "asked": 0}
+    counts = {"answer": 0, "reject": 0, "asked": 0, "left": 0}
     for seed in range(16):
         s = generate_scenario(seed, 3 + seed % 2)
         intro = game.intro(s, 0)
         assert intro.split(ADVICE_HEADER)[0].rstrip() == gaps.intro(s, 0).split("\n\nYou")[0]
-        assert GAPS_HEADER in intro and "\n\nYou start" in intro
+        assert GAPS_HEADER in intro and "\n\nYou start" in intro and LEFT_HEADER not in intro
         first = parse_proposal(intro.split(ADVICE_HEADER + "\n")[1].split("\n\n")[0], s.n)
         assert first == best_assignment(estimate_table(s.view(0), {}))[0]
         name = ("advised", "advised-asker", "advised-late-asker")[seed % 3]
@@ -623,46 +629,70 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
         players = (game.scripted(name, s, 0), game.scripted(partner, s, 1))
         shown: list[list[str]] = [[game.intro(s, 0)], [game.intro(s, 1)]]
         advice = intro.split(ADVICE_HEADER + "\n")[1].split("\n\n")[0]
+        left: list[str] | None = None
         stated: dict[tuple[int, int], int] = {}
         rejected: list = []
+        asked: list[tuple[int, int]] = []
         questions: list[str] = []
+        unknown = unknown_cells(s.view(0))
+        asks_before: list = []
         while not rules.done:
             seat = rules.turn
             observation, shown[seat] = "\n\n".join(shown[seat]), []
             text = asyncio.run(players[seat].act(observation))
             if seat == 0 and text.startswith("[propose]"):
                 assert text == "[propose] " + advice
-            if seat == 0:
-                questions += [f"{r} on {p}" for r, p in _QUESTION.findall(text)]
+            asks = _QUESTION.findall(text) if seat == 0 else []
+            if asks:
+                if left is not None:
+                    assert f"{asks[0][0]} on {asks[0][1]}" == left[0]
+                    counts["left"] += 1
+                questions += [f"{r} on {p}" for r, p in asks]
+                asked += [(REVIEWERS.index(r), PAPERS_SHORT.index(p)) for r, p in asks]
             result = rules.step(seat, text)
             for k in (0, 1):
                 shown[k].extend(result.observations[k])
-            told = [o for o in result.observations[0] if o.startswith(ADVICE_HEADER)]
+            told = [o for o in result.observations[0] if ADVICE_HEADER in o]
             kind = result.action.kind
             new = {}
             if seat == 1 and kind == "message":
                 new = {c: v for c, v in parse_answers(text, s.n).items() if stated.get(c) != v}
                 stated.update(new)
             if seat == 1 and kind == "reject":
-                rejected.append(parse_proposal(advice.removeprefix("[propose] "), s.n))
+                rejected.append(parse_proposal(advice, s.n))
                 counts["reject"] += 1
-            assert len(told) == (1 if new or (seat == 1 and kind == "reject") else 0)
+            replied = seat == 1 and kind == "message" and bool(asks_before)
+            assert len(told) == (1 if new or replied or (seat == 1 and kind == "reject") else 0)
             if told:
                 counts["answer"] += bool(new)
-                advice = told[0].split("\n", 1)[1]
+                block, advice = told[0].split(ADVICE_HEADER + "\n")
+                if asked:
+                    lines = block.strip().split("\n")
+                    assert lines[0] == LEFT_HEADER
+                    budget = 2 * (s.n - 1) - len(asked)
+                    want = [c for c in unknown if c not in asked and c not in stated][:budget]
+                    left = lines[1:]
+                    assert left == (
+                        [f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}" for r, p in want] or ["none"]
+                    )
+                else:
+                    assert block == ""
                 pairs = parse_proposal(advice, s.n)
                 estimate = estimate_table(s.view(0), stated)
                 if not rejected:
                     assert pairs == best_assignment(estimate)[0]
                 elif len(rejected) < 2:  # one rejected: its best neighbour, never itself
                     assert pairs not in rejected
-        order = [f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}" for r, p in unknown_cells(s.view(0))]
+            if seat == 0:
+                asks_before = asks
+        order = [f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}" for r, p in unknown]
         if name == "advised":
             assert questions == []
         else:
             assert questions == order[: len(questions)]
             counts["asked"] += bool(questions)
     assert counts["answer"] >= 5 and counts["reject"] >= 3 and counts["asked"] >= 4
+    assert counts["left"] >= 10
     for players in (("advised-asker", "shy-strict"), ("advised-late-asker", "shy"),
                     ("advised", "shy-strict"), ("asker", "shy")):  # fmt: skip
         a, b = (

@@ -62,6 +62,10 @@ NOTES_HEADER = "Your values and the answers so far, highest first:"
 # matching-advice: the best assignment by the seat's values and the partner's answers (in the
 # seat's scale) among those the partner has not rejected, as a proposal to copy.
 ADVICE_HEADER = "Best proposal by what you know, not yet rejected:"
+# matching-advice: shown before the advice once the seat has asked: the cells it does not know,
+# has not asked about and was not told, in table order, at most 2(n - 1) minus its questions so
+# far (``scripted:advised-asker``'s budget), so that its next question is a copy of a line too.
+LEFT_HEADER = "Left to ask:"
 _UNKNOWN = {
     "csv": "empty cells",
     "lines": "cells not listed",
@@ -150,6 +154,20 @@ def view_advice(
     estimate = estimate_table(scenario.view(seat), stated)
     pairs = best_untried(estimate, rejected)
     return ADVICE_HEADER + "\n" + format_proposal(pairs, scenario.n)
+
+
+def view_left(
+    scenario: Scenario,
+    seat: int,
+    asked: set[tuple[int, int]],
+    stated: dict[tuple[int, int], int],
+) -> str:
+    """``LEFT_HEADER`` and the unknown cells the seat has not asked about nor been told, one a
+    line in table order ('Ava Li on GloVe'), at most 2(n - 1) - len(asked); 'none' when none."""
+    budget = max(0, 2 * (scenario.n - 1) - len(asked))
+    left = [c for c in unknown_cells(scenario.view(seat)) if c not in asked and c not in stated]
+    lines = [f"{scenario.reviewers[r]} on {PAPERS_SHORT[p]}" for r, p in left[:budget]]
+    return "\n".join([LEFT_HEADER, *(lines or ["none"])])
 
 
 def view_gaps_advice(scenario: Scenario, seat: int) -> str:

@@ -50,6 +50,7 @@ import numpy as np
 
 from selfplay.game.matching.prompts import (
     ADVICE_HEADER,
+    LEFT_HEADER,
     NOTES_HEADER,
     ranked_cells,
     unknown_cells,
@@ -100,7 +101,8 @@ def partner_events(observation: str) -> list[tuple[str, str]]:
         body = observation[m.end() : end]
         if _CHOICES in body:
             body = body[: body.index(_CHOICES)]
-        for header in (NOTES_HEADER, ADVICE_HEADER):  # the game's lines, not the partner's words
+        # the game's lines (matching-notes, matching-advice), not the partner's words
+        for header in (NOTES_HEADER, LEFT_HEADER, ADVICE_HEADER):
             if header in body:
                 body = body[: body.index(header)]
         events.append((m.group(1).lower(), body.strip()))

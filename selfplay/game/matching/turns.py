@@ -13,9 +13,15 @@ import re
 from dataclasses import dataclass, field
 
 from selfplay.game.api import GameOverError, Outcome
-from selfplay.game.matching.prompts import view_advice, view_notes
+from selfplay.game.matching.prompts import view_advice, view_left, view_notes
 from selfplay.game.matching.questions import parse_answers
-from selfplay.game.matching.rules import Pairs, ProposalError, Scenario, parse_proposal
+from selfplay.game.matching.rules import (
+    Pairs,
+    ProposalError,
+    Scenario,
+    mentions,
+    parse_proposal,
+)
 
 ERR_EMPTY = "Cannot send empty message."
 ERR_PENDING = "A proposal was made. You must first accept or reject it."
@@ -73,11 +79,13 @@ class Game:
     notes: bool = False
     answers: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
     # matching-advice: after a partner message that states a value (``parse_answers``) new to a
-    # seat, and after the partner rejects the seat's proposal, that seat is shown the best
+    # seat or replies to its direct question, and after the partner rejects its proposal, that
+    # seat is shown, once it has asked, what is left to ask (``view_left``), then the best
     # proposal by what it knows that is not yet rejected (``view_advice``)
     advice: bool = False
     stated: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
     rejected: tuple[list, list] = field(default_factory=lambda: ([], []))
+    asked: tuple[set, set] = field(default_factory=lambda: (set(), set()))
 
     def __post_init__(self) -> None:
         if self.max_actions < 1:
@@ -125,11 +133,14 @@ class Game:
             match action.kind:
                 case "message":
                     obs[partner].append(f"Partner: {body}")
+                    replied = self._last_asked(partner)
+                    if self.advice:
+                        self._note_question(seat, body)
                     if self.notes and self._note_answers(partner, body):
                         obs[partner].append(
                             view_notes(self.scenario, partner, self.answers[partner])
                         )
-                    if self.advice and self._note_stated(partner, body):
+                    if self.advice and (self._note_stated(partner, body) or replied):
                         obs[partner].append(self._advice(partner))
                     self.turn = partner
                 case "propose":
@@ -171,8 +182,27 @@ class Game:
         kept.update(new)
         return bool(new)
 
+    def _note_question(self, seat: int, body: str) -> None:
+        """A message naming one reviewer and one paper asks about that cell (the rule by which
+        ``scripted:shy`` answers)."""
+        reviewers, papers = mentions(body, self.scenario.n)
+        if len(reviewers) == 1 and len(papers) == 1:
+            self.asked[seat].add((next(iter(reviewers)), next(iter(papers))))
+
+    def _last_asked(self, seat: int) -> bool:
+        """Whether ``seat``'s last valid action was a message asking about one cell."""
+        mine = [a for a in self.actions[:-1] if a.seat == seat and a.valid]
+        if not mine or mine[-1].kind != "message":
+            return False
+        reviewers, papers = mentions(mine[-1].text, self.scenario.n)
+        return len(reviewers) == 1 and len(papers) == 1
+
     def _advice(self, seat: int) -> str:
-        return view_advice(self.scenario, seat, self.stated[seat], self.rejected[seat])
+        advice = view_advice(self.scenario, seat, self.stated[seat], self.rejected[seat])
+        if not self.asked[seat]:
+            return advice
+        left = view_left(self.scenario, seat, self.asked[seat], self.stated[seat])
+        return left + "\n\n" + advice
 
     def _interpret(self, seat: int, text: str) -> Action:
         def invalid(kind: str, error: str) -> Action:
