@@ -71,22 +71,6 @@ from selfplay.game.matching.rules import (
 )
 from selfplay.seats import SeatConfig, SeatTokens
 
-SCRIPTED_NAMES: tuple[str, ...] = (
-    "cooperative",
-    "no-talk",
-    "shy",
-    "shy-strict",
-    "random",
-    "inquisitive",
-    "explainer",
-    "asker",
-    "picker",
-    "late-asker",
-    "advised",
-    "advised-asker",
-    "advised-late-asker",
-)
-
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
 _CHOICES = "You can output one of these choices"
 _VALUE_ITEM = re.compile(r"(\w+) (\d+)")
@@ -598,39 +582,37 @@ def _index(names, text: str) -> int | None:
     return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
 
 
+_PLAYERS: dict[str, type[ScriptedPlayer]] = {
+    cls.name: cls
+    for cls in (
+        Cooperative,
+        NoTalk,
+        Shy,
+        ShyStrict,
+        RandomPlayer,
+        Inquisitive,
+        Explainer,
+        Asker,
+        Picker,
+        LateAsker,
+        Advised,
+        AdvisedAsker,
+        AdvisedLateAsker,
+    )
+}
+SCRIPTED_NAMES: tuple[str, ...] = tuple(_PLAYERS)
+
+
 def make_scripted(
     name: str, scenario: Scenario, seat: int, seed: int = 0, *, ranked: bool = False
 ) -> ScriptedPlayer:
     """Build a scripted player by name (one of SCRIPTED_NAMES); ``ranked``: the players that
     share their table state it highest value first (the matching-ranked game)."""
-    match name:
-        case "cooperative":
-            return Cooperative(scenario, seat, seed, ranked=ranked)
-        case "no-talk":
-            return NoTalk(scenario, seat, seed)
-        case "shy":
-            return Shy(scenario, seat, seed)
-        case "shy-strict":
-            return ShyStrict(scenario, seat, seed)
-        case "random":
-            return RandomPlayer(scenario, seat, seed)
-        case "inquisitive":
-            return Inquisitive(scenario, seat, seed, ranked=ranked)
-        case "explainer":
-            return Explainer(scenario, seat, seed, ranked=ranked)
-        case "asker":
-            return Asker(scenario, seat, seed, ranked=ranked)
-        case "picker":
-            return Picker(scenario, seat, seed, ranked=ranked)
-        case "late-asker":
-            return LateAsker(scenario, seat, seed, ranked=ranked)
-        case "advised":
-            return Advised(scenario, seat, seed, ranked=ranked)
-        case "advised-asker":
-            return AdvisedAsker(scenario, seat, seed, ranked=ranked)
-        case "advised-late-asker":
-            return AdvisedLateAsker(scenario, seat, seed, ranked=ranked)
-        case _:
-            raise ValueError(
-                f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
-            )
+    cls = _PLAYERS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown scripted player {name!r}; choose one of {', '.join(SCRIPTED_NAMES)}"
+        )
+    if issubclass(cls, Cooperative):  # the players that state values (or may)
+        return cls(scenario, seat, seed, ranked=ranked)
+    return cls(scenario, seat, seed)
