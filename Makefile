@@ -185,8 +185,8 @@ ASK_NOTES_ARGS ?= --name ask-notes --game matching-notes --table-size 3 \
 
 # Asking where the proposal is a copy: matching-advice shows each seat the best proposal by what
 # it knows (updated after each answer and rejection) and, once it has asked, the cells left to
-# ask, so the one choice left to the model is ask or propose (scripted beside shy-strict: advised 0.651 never asks, advised-asker 0.741). The
-# warm start clones 34 advised and 14 advised-asker games; expert iteration samples 8 games a
+# ask, so the one choice left to the model is ask or propose (scripted beside shy-strict:
+# advised 0.651 never asks, advised-asker 0.741). The warm start clones 34 advised and 14 advised-asker games; expert iteration samples 8 games a
 # scenario and keeps those above their scenario's mean reward (>= 0.5): what set a game apart.
 ASK_ADVICE_ARGS ?= --name ask-advice --game matching-advice --table-size 3 \
 	--partner scripted:shy-strict --warm-start scripted:advised:34,scripted:advised-asker:14 \

@@ -150,9 +150,10 @@ MATCHING_NOTES = MatchingNotesGame()
 class MatchingAdviceGame(MatchingGapsGame):
     """matching-gaps where each seat is also shown the best proposal by what it knows, not yet
     rejected (``prompts.ADVICE_HEADER`` and the proposal's text): in its table, and again after
-    each partner message that states a value new to it and after each rejection of its proposal.
-    Proposing well is then a copy; what is left to the model is the choice this game is for:
-    ask about an unknown cell (the next line under "Not known to you:") or propose the advice.
+    each partner message that states a value new to it or replies to its question and after each
+    rejection of its proposal; once it has asked, the cells left to ask come first
+    (``prompts.LEFT_HEADER``). Proposing well and the next question are then copies; what is left
+    to the model is the choice this game is for: ask about an unknown cell or propose the advice.
     ``scripted:advised`` never asks and proposes the advice, ``scripted:advised-asker`` asks
     first (beside shy-strict, 3x3, 20 actions: 0.651 against 0.741). Same rules, scenarios and
     rewards (README, "Asking")."""

@@ -53,7 +53,8 @@ TABLE_HEADER = "Reviewer Paper Similarity Scores:"
 # of a direct question ("Ava Li on GloVe"), so that asking about an unknown cell is a copy of a
 # line rather than the result of checking the table (the matching-gaps game), or "advice", the
 # gaps view and then the best proposal by what the seat knows (``view_advice``), shown again
-# whenever an answer or a rejection changes what it knows (the matching-advice game).
+# after a new answer, a reply to its question or a rejection, with what is left to ask
+# (``view_left``) once it has asked (the matching-advice game).
 TABLE_FORMATS = ("csv", "lines", "ranked", "gaps", "advice")
 GAPS_HEADER = "Not known to you:"
 # matching-notes: shown to a seat after each partner message that answers about cells it does

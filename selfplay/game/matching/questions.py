@@ -51,6 +51,15 @@ def classify_question(text: str, n: int = MAX_N) -> QuestionKind:
     return "direct" if reviewers and papers else "general"
 
 
+def asked_cell(text: str, n: int) -> tuple[int, int] | None:
+    """The (reviewer, paper) a message asks about when it names exactly one of each (the rule by
+    which ``scripted:shy`` answers, and matching-advice counts a question); None otherwise."""
+    reviewers, papers = mentions(text, n)
+    if len(reviewers) == 1 and len(papers) == 1:
+        return next(iter(reviewers)), next(iter(papers))
+    return None
+
+
 # A stated value in a direct answer's words: "Ava Li on BLEU: 107" (scripted players answer so).
 ANSWER = re.compile(r"([A-Za-z]+(?: [A-Za-z]+)?) on ([A-Za-z0-9-]+): (\d+)")
 

@@ -55,7 +55,7 @@ from selfplay.game.matching.prompts import (
     ranked_cells,
     unknown_cells,
 )
-from selfplay.game.matching.questions import is_question, parse_answers
+from selfplay.game.matching.questions import asked_cell, is_question, parse_answers
 from selfplay.game.matching.rules import (
     PAPERS_SHORT,
     REVIEWERS,
@@ -66,7 +66,6 @@ from selfplay.game.matching.rules import (
     best_untried,
     estimate_table,
     format_proposal,
-    mentions,
     parse_proposal,
 )
 from selfplay.seats import SeatConfig, SeatTokens
@@ -252,9 +251,9 @@ class Shy(ScriptedPlayer):
         self.last_message = body if kind == "message" else None
 
     def answer(self, message: str) -> str:
-        reviewers, papers = mentions(message, self.n)
-        if len(reviewers) == 1 and len(papers) == 1:
-            r, p = next(iter(reviewers)), next(iter(papers))
+        cell = asked_cell(message, self.n)
+        if cell is not None:
+            r, p = cell
             value = self.view[r][p]
             if value is None:
                 return f"I don't know the score for {REVIEWERS[r]} on {PAPERS_SHORT[p]}."

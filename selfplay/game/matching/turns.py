@@ -14,14 +14,8 @@ from dataclasses import dataclass, field
 
 from selfplay.game.api import GameOverError, Outcome
 from selfplay.game.matching.prompts import view_advice, view_left, view_notes
-from selfplay.game.matching.questions import parse_answers
-from selfplay.game.matching.rules import (
-    Pairs,
-    ProposalError,
-    Scenario,
-    mentions,
-    parse_proposal,
-)
+from selfplay.game.matching.questions import asked_cell, parse_answers
+from selfplay.game.matching.rules import Pairs, ProposalError, Scenario, parse_proposal
 
 ERR_EMPTY = "Cannot send empty message."
 ERR_PENDING = "A proposal was made. You must first accept or reject it."
@@ -133,15 +127,17 @@ class Game:
             match action.kind:
                 case "message":
                     obs[partner].append(f"Partner: {body}")
-                    replied = self._last_asked(partner)
-                    if self.advice:
-                        self._note_question(seat, body)
                     if self.notes and self._note_answers(partner, body):
                         obs[partner].append(
                             view_notes(self.scenario, partner, self.answers[partner])
                         )
-                    if self.advice and (self._note_stated(partner, body) or replied):
-                        obs[partner].append(self._advice(partner))
+                    if self.advice:
+                        cell = asked_cell(body, self.scenario.n)
+                        if cell is not None:
+                            self.asked[seat].add(cell)
+                        new = self._note_stated(partner, body)
+                        if new or self._last_asked(partner):
+                            obs[partner].append(self._advice(partner))
                     self.turn = partner
                 case "propose":
                     self.pending, self.pending_from = action.proposal, seat
@@ -182,20 +178,16 @@ class Game:
         kept.update(new)
         return bool(new)
 
-    def _note_question(self, seat: int, body: str) -> None:
-        """A message naming one reviewer and one paper asks about that cell (the rule by which
-        ``scripted:shy`` answers)."""
-        reviewers, papers = mentions(body, self.scenario.n)
-        if len(reviewers) == 1 and len(papers) == 1:
-            self.asked[seat].add((next(iter(reviewers)), next(iter(papers))))
-
     def _last_asked(self, seat: int) -> bool:
-        """Whether ``seat``'s last valid action was a message asking about one cell."""
-        mine = [a for a in self.actions[:-1] if a.seat == seat and a.valid]
-        if not mine or mine[-1].kind != "message":
-            return False
-        reviewers, papers = mentions(mine[-1].text, self.scenario.n)
-        return len(reviewers) == 1 and len(papers) == 1
+        """Whether ``seat``'s last valid action (before the one just taken) was a message asking
+        about one cell (``asked_cell``)."""
+        before = reversed(self.actions[:-1])
+        last = next((a for a in before if a.seat == seat and a.valid), None)
+        return (
+            last is not None
+            and last.kind == "message"
+            and (asked_cell(last.text, self.scenario.n) is not None)
+        )
 
     def _advice(self, seat: int) -> str:
         advice = view_advice(self.scenario, seat, self.stated[seat], self.rejected[seat])
