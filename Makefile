@@ -1,5 +1,5 @@
 # The two commands README promises: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-late ask-notes ask-advice ask-guided bench
+.PHONY: setup test lint demo learn learn-replay learn-explain learn-explain-grpo learn-ranked learn-grpo shy ask ask-ranked ask-ranked-mix ask4 ask4-strict ask-gaps ask-late ask-notes ask-advice ask-advice-grpo ask-advice-guided ask-guided bench
 
 # The embedded SmolLM2-135M-Instruct on CPU, 3x3 tables of matching-short (the rules in five
 # sentences: 311 tokens a warm-start row instead of 442): a warm start (behaviour cloning of the
@@ -196,6 +196,21 @@ ASK_ADVICE_ARGS ?= --name ask-advice --game matching-advice --table-size 3 \
 	--temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-4 --epochs-per-iter 2 \
 	--mini-batch-size 8 --eval-scenarios 96 --micro-batch-size 4 --no-eval-initial
 
+# The other two arms of ask-advice at about its wall time, from its warm start (run make
+# ask-advice first): GRPO on the model's own games (8 a scenario, the rollout's log-probs as the
+# old ones), and guided GRPO, each group of 6 own games joined by 2 of scripted:advised-asker
+# (LUFFY's shaped loss; guide rows need the recomputed old log-probs). 64 rows a round both.
+ASK_ADVICE_GRPO_ARGS ?= --name ask-advice-grpo --model checkpoints/ask-advice/warm_start \
+	--game matching-advice --table-size 3 --partner scripted:shy-strict --iterations 3 \
+	--games-per-iter 64 --games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 \
+	--max-actions 20 --lr 1e-5 --loss-agg seq-mean-token-mean --updates-per-round 4 \
+	--old-log-probs rollout --eval-scenarios 96 --micro-batch-size 4
+ASK_ADVICE_GUIDED_ARGS ?= --name ask-advice-guided --model checkpoints/ask-advice/warm_start \
+	--game matching-advice --table-size 3 --partner scripted:shy-strict --iterations 3 \
+	--games-per-iter 48 --games-per-scenario 6 --guide scripted:advised-asker --guide-games 2 \
+	--temperature 1.0 --max-new-tokens 64 --max-actions 20 --lr 1e-5 \
+	--loss-agg seq-mean-token-mean --updates-per-round 4 --eval-scenarios 96 --micro-batch-size 4
+
 # The guided-GRPO arm of the same question: a warm start that never asks (24 cooperative games
 # against shy), then GRPO rounds whose groups each get 2 games of scripted:inquisitive (it asks)
 # on the same scenario, trained off-policy with LUFFY's shaped loss.
@@ -276,6 +291,16 @@ ask-advice: setup
 
 ask-guided: setup
 	.venv/bin/selfplay iterate $(ASK_GUIDED_ARGS)
+
+ASK_ADVICE_WARM = checkpoints/ask-advice/warm_start/config.json
+
+ask-advice-grpo: setup
+	@test -f $(ASK_ADVICE_WARM) || { echo "run make ask-advice first: $@ starts from its warm start"; exit 1; }
+	.venv/bin/selfplay iterate $(ASK_ADVICE_GRPO_ARGS)
+
+ask-advice-guided: setup
+	@test -f $(ASK_ADVICE_WARM) || { echo "run make ask-advice first: $@ starts from its warm start"; exit 1; }
+	.venv/bin/selfplay iterate $(ASK_ADVICE_GUIDED_ARGS)
 
 bench: setup
 	.venv/bin/python benchmarks/bench_scenarios.py
