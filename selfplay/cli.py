@@ -497,3 +497,31 @@ def report_cmd(
 
     run_dir = Path(run) if Path(run).is_dir() else data_root / run
     console.print(f"report: {write_report(run_dir, n=table_size)}")
+
+
+@app.command("compare")
+def compare_cmd(
+    held_out: list[str] = typer.Argument(
+        ...,
+        help="Two or more sets of held-out games: a run (data/NAME or NAME; @start, @K or "
+        "@final, the default: which model), a published run (docs/runs/NAME[@start]) or a "
+        "games file. The first is the one the others are paired with.",
+    ),
+    data_root: Path = typer.Option(Path("data"), help="Where data/NAME lives."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print Markdown tables."),
+) -> None:
+    """Held-out results side by side, each paired with the first by scenario (95% t-interval)."""
+    from rich.table import Table
+
+    from selfplay.iterate import compare
+
+    sets, pairs = compare.compare(held_out, data_root)
+    if markdown:
+        typer.echo(compare.markdown(sets, pairs))
+        return
+    out = Console(width=max(Console().width, 160))  # piped: rich's 80 columns cut the labels
+    for title, columns, rows in compare.tables(sets, pairs):
+        table = Table(*columns, title=title)
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
