@@ -281,6 +281,38 @@ def test_a_full_disk_leaves_nothing_half_written_and_a_retry_works(tmp_path, mon
     assert json.loads((out / "metrics.json").read_text())["config"]["out"] == str(out)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kept_scores_are_the_full_heads_scores_at_the_kept_positions(temperature):
+    """The log-softmax of the kept positions alone gives the log-probs (and entropies) the full
+    head gives there, at the sampling temperature; every other position holds 0."""
+    from types import SimpleNamespace
+
+    from verl.utils.torch_functional import entropy_from_logits
+
+    from selfplay.train.lm_head import kept_scores
+
+    gen = torch.Generator().manual_seed(0)
+    total, vocab = 11, 17
+    logits = torch.randn(total, vocab, generator=gen) * 3
+    labels = torch.randint(vocab, (total,), generator=gen)
+    index = torch.tensor([2, 3, 7, 10])
+    args = {
+        "temperature_is_one": temperature == 1.0,
+        "temperature_rmpad": torch.full((total,), temperature),
+        "input_ids_rmpad_rolled": labels,
+    }
+    engine = SimpleNamespace(compute_entropy_from_logits=entropy_from_logits)
+    got = kept_scores(engine, logits[index].unsqueeze(0), args, index, total, entropy=True)
+    full = torch.log_softmax(logits / temperature, dim=-1)
+    want = full.gather(-1, labels[:, None]).squeeze(-1)
+    others = torch.ones(total, dtype=torch.bool)
+    others[index] = False
+    assert got.log_probs.shape == got.entropy.shape == (1, total)
+    torch.testing.assert_close(got.log_probs[0, index], want[index])
+    torch.testing.assert_close(got.entropy[0, index], -(full.exp() * full).sum(-1)[index])
+    assert not got.log_probs[0, others].any() and not got.entropy[0, others].any()
+
+
 def test_lm_head_at_trained_positions_gives_the_full_heads_loss_and_update(
     tiny_model, tmp_path, monkeypatch
 ):

@@ -9,10 +9,14 @@ that work is thrown away.
 With ``lm_head_positions="trained"`` a training forward (an update, or ``Workers.loss``: verl's
 ``compute_loss``) passes transformers' own ``logits_to_keep`` (a tensor of positions) to the model:
 the head runs on the positions whose next token is trained (``loss_mask`` rolled by one, as verl's
-losses read it), and the logits are scattered back into a zero tensor of the full packed length,
-so verl's log-softmax, gathering and losses run unchanged. The positions left at zero get a log-prob
-of -log(vocabulary) (finite) that every loss multiplies by a mask of 0, so the loss and its
-gradients are the ones of the full head (``tests/test_train.py`` compares an update under both).
+losses read it), the log-softmax and the gather run on those positions too (``kept_scores``, as
+verl's own path: temperature, log-softmax, the next token's log-prob, the entropy when asked),
+and the per-position results are spread into tensors of the full packed length, 0 elsewhere, which
+verl's fused-kernel branch unpads and splits per sequence like its own. Every loss multiplies the
+other positions by a mask of 0, so the loss and its gradients are the ones of the full head
+(``tests/test_train.py`` compares an update under both). An earlier version scattered the logits
+into a zero tensor of every position ([tokens, vocabulary]): the log-softmax over it, the scatter
+and their backward cost about a tenth of a GRPO update on an AVX2 CPU.
 Forward-only scoring (old and reference log-probs, entropy reports) keeps every position.
 
 Pinned to verl 0.9.1's ``FSDPEngineWithLMHead`` (``selfplay.train.compat`` checks the version);
@@ -108,12 +112,45 @@ def install() -> None:
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         kept = output_args.pop(_KEPT, None)
-        if kept is not None:
-            index, total = kept
-            logits = output.logits
-            full = logits.new_zeros(logits.shape[0], total, logits.shape[-1])
-            output.logits = full.index_copy(1, index, logits)
-        return outputs(self, output, output_args, micro_batch, logits_processor_func)
+        if kept is None:
+            return outputs(self, output, output_args, micro_batch, logits_processor_func)
+        from verl.utils import tensordict_utils as tu
+
+        entropy = bool(tu.get_non_tensor_data(micro_batch, "calculate_entropy", False))
+        scores = kept_scores(self, output.logits, output_args, *kept, entropy=entropy)
+        # verl's fused-kernel branch takes per-position log-probs (and entropies) from the model's
+        # output and does the rest (unpadding, one nested row per sequence): hand it ours
+        before = micro_batch.get("use_fused_kernels", None)
+        tu.assign_non_tensor_data(micro_batch, "use_fused_kernels", True)
+        try:
+            return outputs(self, scores, output_args, micro_batch, logits_processor_func)
+        finally:
+            if before is None:
+                del micro_batch["use_fused_kernels"]
+            else:
+                micro_batch["use_fused_kernels"] = before
 
     FSDPEngineWithLMHead.prepare_model_inputs = prepare_model_inputs
     FSDPEngineWithLMHead.prepare_model_outputs = prepare_model_outputs
+
+
+def kept_scores(engine, logits, output_args, index, total: int, *, entropy: bool):
+    """The log-probs of the next tokens (and the entropies) at the kept positions, from their
+    logits ``[1, kept, vocab]``, in tensors of the full packed length ``[1, total]`` that hold
+    0 elsewhere; as verl's own path computes them (temperature, log-softmax, gather)."""
+    from types import SimpleNamespace
+
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    logits = logits.squeeze(0)
+    if not output_args.get("temperature_is_one", False):
+        temperature = output_args["temperature_rmpad"][index].clamp(min=1e-8)
+        logits = logits / temperature.unsqueeze(-1).to(logits.dtype)
+    labels = output_args["input_ids_rmpad_rolled"][index]
+    log_probs = logprobs_from_logits(logits, labels, inplace_backward=not entropy)
+
+    def spread(values):
+        return values.new_zeros(total).index_copy(0, index, values).unsqueeze(0)
+
+    ent = spread(engine.compute_entropy_from_logits(logits)) if entropy else None
+    return SimpleNamespace(log_probs=spread(log_probs), entropy=ent)
