@@ -201,7 +201,7 @@ ASK_ADVICE_ARGS ?= --name ask-advice --game matching-advice --table-size 3 \
 # old ones), and guided GRPO, each group of 6 own games joined by 2 of scripted:advised-asker
 # (LUFFY's shaped loss; guide rows need the recomputed old log-probs). 64 rows a round both.
 ASK_ADVICE_GRPO_ARGS ?= --name ask-advice-grpo --model checkpoints/ask-advice/warm_start \
-	--game matching-advice --table-size 3 --partner scripted:shy-strict --iterations 4 \
+	--game matching-advice --table-size 3 --partner scripted:shy-strict --iterations 3 \
 	--games-per-iter 64 --games-per-scenario 8 --temperature 1.0 --max-new-tokens 64 \
 	--max-actions 20 --lr 1e-5 --loss-agg seq-mean-token-mean --updates-per-round 4 \
 	--old-log-probs rollout --eval-scenarios 96 --micro-batch-size 4
