@@ -371,10 +371,16 @@ def _makefile_recipes() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("name", sorted(_makefile_recipes()))
-def test_every_makefile_recipe_builds_an_iterate_config(name, monkeypatch):
+def test_every_makefile_recipe_builds_an_iterate_config(name, monkeypatch, tmp_path):
     """`make demo` and the experiment targets pass their arguments to `selfplay iterate`: each must
-    be accepted, and its --name must be the run's name (a typo would fail only when run)."""
+    be accepted, and its --name must be the run's name (a typo would fail only when run). A
+    recipe that starts from another run's checkpoint (--model DIR) finds a DIR with a config."""
     args = _makefile_recipes()[name]
+    monkeypatch.chdir(tmp_path)
+    if "--model" in args:
+        model = tmp_path / args[args.index("--model") + 1]
+        model.mkdir(parents=True)
+        (model / "config.json").write_text('{"model_type": "llama"}')
     seen = _capture(monkeypatch)
     res = CliRunner().invoke(app, ["iterate", "--model", "m", *args])
     cfg = seen.get("iterate")
