@@ -143,6 +143,8 @@ def kept_scores(engine, logits, output_args, index, total: int, *, entropy: bool
     from verl.utils.torch_functional import logprobs_from_logits
 
     logits = logits.squeeze(0)
+    # verl's _scale_logits_by_temperature, written out: importing verl's FSDP engine module here
+    # (the CPU tests call this first) would cache its device before the CPU platform is installed
     if not output_args.get("temperature_is_one", False):
         temperature = output_args["temperature_rmpad"][index].clamp(min=1e-8)
         logits = logits / temperature.unsqueeze(-1).to(logits.dtype)
