@@ -17,10 +17,14 @@
       (one start, one model load), and together in one child on one engine, their requests in
       shared batches (iterate's default, --eval-beside-generate); apart, shared, beside, shared,
       beside.
+  (g) the linear layers' layout in a decoding step (SmolLM2-135M or --model, fp32, CPU):
+      ``F.linear`` (x @ W^T) against the engine's weight-major product (W @ x^T), whole decoding
+      steps of --rows rows over --kv positions, the two layouts alternating step by step in one
+      process (a shared VM's speed drifts between processes), median step time of each.
 
 Run: .venv/bin/python benchmarks/bench_generate.py [--part a,b,c,d,e,f] [--latency 0.25,0.5,1.0]
      [--model M --partner P --table-size N --max-actions A --games G] (d, e; f takes --model)
-     [--game NAME --games-per-scenario K] (d)
+     [--game NAME --games-per-scenario K] (d) [--rows 64 --kv 460 --steps 24] (g)
 Everything is offline: the tiny model is built into a temporary directory; (d) is not in the
 default parts (it builds the vLLM venv when missing and takes ~10 minutes on 2 cores), nor is
 (e) (SmolLM2 on CPU, 1-3 minutes).
@@ -369,6 +373,50 @@ def play_hf(cfg: GenerateConfig, engine_config):
     return asyncio.run(go()).stats, engine
 
 
+def part_g(args) -> list[tuple]:
+    """Decoding steps with F.linear against the weight-major product, alternating."""
+    import statistics
+
+    import torch
+    from transformers import Cache
+
+    from selfplay.engines import HFEngineConfig
+    from selfplay.engines import hf as hf_module
+    from selfplay.models import resolve_model
+
+    model = resolve_model(args.model)
+    engine = hf_module.HFEngine(HFEngineConfig(model=model, device="cpu", dtype="fp32"))
+    rows, cpu, width = args.rows, engine.model.config, args.kv
+    default = hf_module.WEIGHT_MAJOR_MAX_ROWS
+    cache = Cache(layers=[hf_module._PreallocatedLayer(width + args.steps + 1) for _ in range(
+        hf_module._plain_cache_layers(engine.model))])  # fmt: skip
+    attn = torch.ones(rows, width, dtype=torch.long)
+    ids = torch.randint(cpu.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+    steps: dict[str, list[float]] = {"F.linear": [], "weight-major": []}
+    with torch.inference_mode():
+        engine.model(input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)  # fmt: skip
+        pos = torch.full((rows,), width - 1)
+        for i in range(args.steps + 2):
+            layout = ("F.linear", "weight-major")[i % 2]
+            hf_module.WEIGHT_MAJOR_MAX_ROWS = 0 if layout == "F.linear" else default
+            attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=1)
+            pos = pos + 1
+            start = time.perf_counter()
+            engine.model(input_ids=ids[:, -1:], attention_mask=attn, position_ids=pos[:, None],
+                         past_key_values=cache, use_cache=True)  # fmt: skip
+            if i >= 2:
+                steps[layout].append(time.perf_counter() - start)
+    hf_module.WEIGHT_MAJOR_MAX_ROWS = default
+    plain, major = (1000 * statistics.median(steps[k]) for k in ("F.linear", "weight-major"))
+    return [(
+        "(g) decoding step, the layouts alternating", f"{Path(model).name}, {rows} rows over "
+        f"{width}-{width + args.steps} KV positions, {torch.get_num_threads()} threads",
+        f"F.linear {plain:.0f} ms, weight-major {major:.0f} ms (median of {args.steps // 2} each)",
+        f"{plain / major:.2f}x", "",
+    )]  # fmt: skip
+
+
 def threads_child(threads: int, model: str, out: str, args) -> None:
     from selfplay.engines import HFEngineConfig
 
@@ -411,6 +459,9 @@ def main() -> None:
     p.add_argument("--games", type=int, default=64, help="(d, e)")
     p.add_argument("--game", default="matching", help="(d)")
     p.add_argument("--games-per-scenario", type=int, default=4, help="(d)")
+    p.add_argument("--rows", type=int, default=64, help="(g): rows of a decoding step")
+    p.add_argument("--kv", type=int, default=460, help="(g): KV positions of each row")
+    p.add_argument("--steps", type=int, default=24, help="(g): decoding steps timed")
     args = p.parse_args()
     if args.threads_child:
         threads, model, out = args.threads_child
@@ -436,6 +487,8 @@ def main() -> None:
             rows += part_e(tmp, args)
         if "f" in parts:
             rows += part_f(tmp, args)
+        if "g" in parts:
+            rows += part_g(args)
     table = Table(title="selfplay generate benchmark")
     for col in ("benchmark", "setting", "measured", "result", "target"):
         table.add_column(col)

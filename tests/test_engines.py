@@ -415,6 +415,41 @@ def test_hf_counts_its_decoding_steps_rows_and_kv_read(hf):
     assert engine.decode_kv_slots == sum(p + j for j in range(1, m))
 
 
+def test_weight_major_linears_compute_each_linear_layer_to_float_rounding():
+    """The CPU engine's linear layers (W @ x^T up to WEIGHT_MAJOR_MAX_ROWS rows): the same
+    product as F.linear, with and without bias, for 1-D to 3-D inputs; more rows and other
+    dtypes are F.linear itself."""
+    from selfplay.engines.hf import WEIGHT_MAJOR_MAX_ROWS, _weight_major_linears
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(24, 40), torch.nn.Linear(24, 40, bias=False)])
+    half = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    _weight_major_linears(torch.nn.ModuleList([*layers, half]))
+    assert all("forward" in m.__dict__ for m in layers) and "forward" not in half.__dict__
+    shapes = [(24,), (1, 24), (5, 24), (2, 7, 24), (WEIGHT_MAJOR_MAX_ROWS + 1, 24)]
+    with torch.inference_mode():
+        for layer in layers:
+            for shape in shapes:
+                x = torch.randn(shape)
+                want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                got = layer(x)
+                assert got.shape == want.shape and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                if shape[0] > WEIGHT_MAJOR_MAX_ROWS:
+                    assert torch.equal(got, want)  # F.linear itself
+                elif len(shape) > 1:  # the other layout: other rounding (not bit-equal here)
+                    manual = torch.mm(layer.weight, x.reshape(-1, 24).t()).t()
+                    bias = 0 if layer.bias is None else layer.bias
+                    assert torch.equal(got.reshape(-1, 40), manual + bias)
+
+
+def test_hf_engine_on_cpu_runs_its_linear_layers_weight_major(hf):
+    if hf.device.type != "cpu":
+        pytest.skip("a CPU layout")
+    linears = [m for m in hf.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" in m.__dict__ for m in linears)
+
+
 def test_hf_sampling_seed_temperature_and_logprob_convention(hf):
     ids = prompt(hf, "hello")
     a, b, c = run(

@@ -127,8 +127,10 @@ class HFEngine:
             model, tokenizer = _load(config.model, dtype, tokenizer)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         self.model = model.to(self.device).eval()
-        if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":
-            self.model.set_attn_implementation(_grouped_sdpa())
+        if self.device.type == "cpu":
+            if self.model.config._attn_implementation == "sdpa":
+                self.model.set_attn_implementation(_grouped_sdpa())
+            _weight_major_linears(self.model)
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._pad_id = next(
             (
@@ -753,6 +755,37 @@ def _grouped_sdpa() -> str:
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+# Up to this many rows a CPU linear layer runs as weight @ input^T (see _weight_major_linears).
+WEIGHT_MAJOR_MAX_ROWS = 512
+
+
+def _weight_major_linears(model) -> None:
+    """Make the model's fp32 linear layers compute ``(W @ x^T)^T`` for up to
+    ``WEIGHT_MAJOR_MAX_ROWS`` rows (a decoding step's rows, a prefill's last tokens).
+
+    ``F.linear`` asks MKL for ``x @ W^T``; the product laid out as ``W @ x^T`` made a whole
+    decoding step faster on the AVX2 EPYC (SmolLM2-135M, 64 rows over ~470 KV positions, 2
+    threads, the layouts alternating step by step: 518 -> 459 ms, benchmarks/bench_generate.py
+    part g; the 64 games of `bench_roofline.py --stages`' generate: 145 and 159 s -> 138 and 138
+    s). Isolated at one shape with its weights out of cache, neither layout was clearly faster.
+    Same product, other summation order: results agree to float rounding. Other dtypes, and
+    more rows (a long prefill, where both layouts ran alike), keep ``F.linear``.
+    """
+
+    def forward(self, x):
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if x.dtype != torch.float32 or not 0 < rows <= WEIGHT_MAJOR_MAX_ROWS:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
+            module.forward = forward.__get__(module)
 
 
 def _row_kv(cache, b: int, attn_row):
