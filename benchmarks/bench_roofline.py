@@ -30,12 +30,16 @@ max(decode FLOPs / rate, (steps x weight bytes + KV positions x KV bytes) / band
 the run (a bound no schedule of the same passes beats), and the limit is its tokens / that time.
 
 A third generate row, "its matmuls alone": the same prefill, and each decoding step's linear
-layers timed on their own at that step's rows (the engine counts steps by rows; F.linear in the
-run's dtype, median of --repeats), summed. A step of 20-60 rows runs its matmuls far below the
-FLOP rate of 512 rows while reading the weights slower than the bandwidth allows, so neither
-limit above binds there; this row says how much of the stage's time its matmuls at their own
-shapes take, and so how much is everything else (attention over the KV cache, norms, sampling,
-the engine's bookkeeping).
+layers timed on their own at that step's rows (the engine counts steps by rows; the engine's
+linear layout in the run's dtype, median of --repeats), summed. A step of 20-60 rows runs its
+matmuls far below the FLOP rate of 512 rows while reading the weights slower than the bandwidth
+allows, so neither limit above binds there; this row says how much of the stage's time its
+matmuls at their own shapes take, and so how much is everything else (attention over the KV
+cache, norms, sampling, the engine's bookkeeping). A fourth, "matmuls + attention alone",
+adds each decoding step's attention timed on its own (the engine's SDPA at the step's rows and
+the mean KV width of steps of that many rows, every layer its own KV): what the stage's kernels
+at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
+and the model's glue (norms, rotary, sampling, Python) rather than kernels.
 
 Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
      [--tokens 512] [--repeats 10] [--stages]
@@ -125,13 +129,18 @@ def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
 
 
 def linear_seconds(rows: int, dtype, repeats: int) -> float:
-    """One forward pass's linear layers (SHAPES) at ``rows`` rows: the median time of each
-    F.linear, times its count per pass, summed."""
+    """One forward pass's linear layers (SHAPES) at ``rows`` rows, in the layout the CPU engine
+    uses (selfplay.engines.hf._weight_major_linears): the median time of each, times its count
+    per pass, summed."""
+    from selfplay.engines.hf import _weight_major_linears
+
     total = 0.0
     for _, k, n, count in SHAPES:
-        x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
-        linear = functools.partial(torch.nn.functional.linear, x, w)
-        total += median_seconds(linear, 2, repeats) * count
+        layer = torch.nn.Linear(k, n, bias=False).to(dtype)
+        _weight_major_linears(layer)
+        x = torch.randn(rows, k).to(dtype)
+        with torch.inference_mode():
+            total += median_seconds(functools.partial(layer, x), 2, repeats) * count
     return total
 
 
@@ -140,6 +149,30 @@ def matmuls_alone_seconds(engine, gflops: float, dtype, repeats: int = 5) -> flo
     prefill = engine.prefilled_tokens * FWD_FLOPS_PER_TOKEN / (gflops * 1e9)
     steps = engine.decode_batches
     return prefill + sum(n * linear_seconds(rows, dtype, repeats) for rows, n in steps.items())
+
+
+def attention_seconds(engine, dtype, repeats: int = 3) -> float:
+    """Every decoding step's attention timed alone: for each batch size, the engine's SDPA
+    (GQA, padding mask) at its steps' mean KV width over every layer, each layer its own KV
+    (the cache is read from memory, as in a step), times its steps."""
+    c = engine.model.config.get_text_config()
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    total = 0.0
+    for rows, steps in engine.decode_batches.items():
+        width = max(1, round(engine.decode_kv_by_rows[rows] / (rows * steps)))
+        q = torch.randn(rows, heads, 1, dim).to(dtype)
+        kvs = [torch.randn(2, rows, kv_heads, width, dim).to(dtype) for _ in range(LAYERS)]
+        mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
+
+        def layers(q=q, kvs=kvs, mask=mask):
+            for k, v in kvs:
+                torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, enable_gqa=True
+                )
+
+        total += steps * median_seconds(layers, 1, repeats)
+    return total
 
 
 def limit_tokens_per_s(gflops: float, factor: int) -> float:
@@ -170,7 +203,8 @@ def stage_generate(model: str, dtype: str, tmp: Path):
 
 def generate_rates(st, engine, dtype: str, gflops: float, gbs: float):
     """tokens/s through the model (prefilled prompt tokens + generated tokens), a note, the
-    decode-aware limit of those passes in tokens/s, and their matmuls' alone."""
+    decode-aware limit of those passes in tokens/s, their matmuls' alone, and their matmuls'
+    and attention's alone."""
     tokens = engine.prefilled_tokens + engine.generated_tokens
     least = decode_aware_seconds(engine, gflops, gbs)
     note = (
@@ -180,7 +214,9 @@ def generate_rates(st, engine, dtype: str, gflops: float, gbs: float):
         f"{engine.decode_rows / max(1, engine.decode_steps):.1f} rows, least time {least:.1f} s"
     )
     alone = matmuls_alone_seconds(engine, gflops, DTYPES[dtype])
-    return tokens / st.seconds, note, tokens / least, tokens / alone
+    attention = attention_seconds(engine, DTYPES[dtype])
+    rates = tokens / least, tokens / alone, tokens / (alone + attention)
+    return tokens / st.seconds, note, *rates
 
 
 def stage_script(cmd: list[str], pattern: str) -> float | None:
@@ -213,7 +249,7 @@ def run_stages(dtype: str, before: float, measure, gbs: float) -> Table:
     )  # fmt: skip
     after = measure()
     gflops = max(before, after)
-    gen, note, gen_limit, gen_alone = generate_rates(st, engine, dtype, gflops, gbs)
+    gen, note, gen_limit, gen_alone, gen_kernels = generate_rates(st, engine, dtype, gflops, gbs)
     table = Table(
         title=f"measured stages, SmolLM2-135M, {dtype}, vs the {dtype} limit at {gflops:.1f} "
         f"GFLOP/s (matmul readings: {before:.1f} before the stages, {after:.1f} after)"
@@ -225,6 +261,7 @@ def run_stages(dtype: str, before: float, measure, gbs: float) -> Table:
         ("generate (hf engine)", gen, fwd, note),
         ("generate, decode-aware limit", gen, gen_limit, f"read bandwidth {gbs:.1f} GB/s"),
         ("generate, its matmuls alone", gen, gen_alone, "each step's linear layers at its rows"),
+        ("generate, matmuls + attention alone", gen, gen_kernels, "and each step's SDPA"),
         ("SFT step (verl)", sft, fwd_bwd, "bench_sft.py --rows 8"),
         # bench_train times the update only (forward + backward): old log-probs are not timed
         ("train update (verl)", train, fwd_bwd, "bench_train.py --rows 8, fwd+bwd"),

@@ -413,6 +413,7 @@ def test_hf_counts_its_decoding_steps_rows_and_kv_read(hf):
     assert m == 9 and engine.decode_steps == engine.decode_rows == m - 1
     assert engine.decode_batches == {1: m - 1}
     assert engine.decode_kv_slots == sum(p + j for j in range(1, m))
+    assert engine.decode_kv_by_rows == {1: engine.decode_kv_slots}
 
 
 def test_weight_major_linears_compute_each_linear_layer_to_float_rounding():

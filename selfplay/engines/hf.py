@@ -148,9 +148,10 @@ class HFEngine:
         self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
         self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
         # decoding: steps by their rows (dead ones too; matmul speed depends on a step's rows)
-        # and KV positions read (rows x width); decode_steps and decode_rows follow from them
+        # and the KV positions they read (rows x width), by rows too; decode_steps, decode_rows
+        # and decode_kv_slots follow from them
         self.decode_batches: Counter[int] = Counter()
-        self.decode_kv_slots = 0
+        self.decode_kv_by_rows: Counter[int] = Counter()
         self._cache_layers = _plain_cache_layers(self.model)
         budget = config.prefix_cache_tokens
         if budget is None:
@@ -160,6 +161,10 @@ class HFEngine:
     @property
     def decode_steps(self) -> int:
         return self.decode_batches.total()
+
+    @property
+    def decode_kv_slots(self) -> int:
+        return self.decode_kv_by_rows.total()
 
     @property
     def decode_rows(self) -> int:
@@ -229,7 +234,7 @@ class HFEngine:
             if self.max_context is not None:  # a dead row's position may run past the context
                 run.last_pos = run.last_pos.clamp(max=self.max_context - 1)
             self.decode_batches[run.attn.shape[0]] += 1
-            self.decode_kv_slots += run.attn.numel()
+            self.decode_kv_by_rows[run.attn.shape[0]] += run.attn.numel()
             out = self.model(
                 input_ids=run.tok[:, None],
                 attention_mask=run.attn,
