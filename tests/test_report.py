@@ -59,3 +59,44 @@ def test_metrics_lines_are_read_as_round_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(orjson.dumps({"round": 0, "reward_meen": 1}) + b"\n")
     with pytest.raises(ReportError, match=r"metrics\.jsonl"):
         read_metrics(tmp_path)
+
+
+def test_report_pairs_the_final_model_with_the_start_and_the_baselines(tmp_path, monkeypatch):
+    """REPORT.md's paired table: the final model minus the start and minus each baseline over the
+    scenarios both played (as `selfplay compare` pairs them); a baseline drawn at another table
+    size (same ids, other scenarios) and one whose games are gone are left out."""
+    from selfplay.iterate.report import paired_differences
+    from selfplay.manifest import Manifest
+    from selfplay.metrics import HeldOut, mean_ci
+    from tests.test_compare import _game, _write
+
+    monkeypatch.chdir(tmp_path)  # held-out paths are relative to where iterate ran
+    sets = {
+        "after_0": [_game(s, 0.1 * (s % 4)) for s in range(6)],
+        "after_2": [_game(s, 0.5 + 0.1 * (s % 3)) for s in range(6)],
+        "coop": [_game(s, 0.4 + 0.05 * s) for s in range(2, 8)],  # 4 scenarios in common
+        "other-size": [_game(s, 0.9, n=4) for s in range(6)],
+    }
+    for folder, games in sets.items():
+        name = "model-model" if folder.startswith("after") else f"baseline-{folder}"
+        _write(tmp_path / "eval" / folder / "games" / f"{name}.jsonl", games)
+    fields = dict.fromkeys(HeldOut.model_fields, None) | {"model": "m", "games": 6}
+    fields.pop("outcomes"), fields.pop("seconds")
+
+    def held(folder):
+        return HeldOut(**{**fields, "path": f"eval/{folder}"})
+
+    manifest = Manifest(
+        name="r", config={}, created_at=0.0, versions={}, git_commit=None,
+        heldout={0: held("after_0"), 2: held("after_2")},
+        baselines={"coop": held("coop"), "other-size": held("other-size"), "gone": held("gone")},
+    )  # fmt: skip
+    final = {g.scenario_id: g.reward for g in sets["after_2"]}
+    rows = paired_differences(tmp_path, manifest)
+    assert [r[:2] for r in rows] == [
+        ("after 2 rounds - start (after 0 rounds)", 6),
+        ("after 2 rounds - scripted coop", 4),
+    ]
+    for (_, _, *got), games in zip(rows, (sets["after_0"], sets["coop"])):
+        want = mean_ci([final[g.scenario_id] - g.reward for g in games if g.scenario_id in final])
+        assert got == pytest.approx(list(want))

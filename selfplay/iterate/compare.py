@@ -105,19 +105,23 @@ def _evaluation_games(run_dir: Path, entry: dict, spec: str) -> Path:
 
 
 def load(spec: str, data_root: Path = Path("data")) -> HeldoutSet:
-    path = games_path(spec, data_root)
+    return load_games(games_path(spec, data_root), spec)
+
+
+def load_games(path: Path, label: str) -> HeldoutSet:
+    """The held-out set of one games file, named ``label``."""
     records = list(iter_game_records(path))
     if not records:
-        raise CompareError(f"{spec}: {path} holds no games")
+        raise CompareError(f"{label}: {path} holds no games")
     by: dict[str, list[float]] = {}
     digests: dict[str, str] = {}
     for g in records:
         digest = _digest(g.scenario)
         if digests.setdefault(g.scenario_id, digest) != digest:
-            raise CompareError(f"{spec}: two scenarios named {g.scenario_id} in {path}")
+            raise CompareError(f"{label}: two scenarios named {g.scenario_id} in {path}")
         by.setdefault(g.scenario_id, []).append(g.reward)
     return HeldoutSet(
-        label=spec,
+        label=label,
         path=path,
         summary=summarize(records),
         asking_share=sum(sum(questions_by_seat(g)) > 0 for g in records) / len(records),

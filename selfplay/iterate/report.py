@@ -212,22 +212,14 @@ def _heldout_table(manifest: Manifest) -> list[str]:
     return md
 
 
-def _scenario_rewards(path: Path) -> dict[str, float]:
-    """Mean reward per scenario of an evaluation's games file."""
-    from selfplay.records import iter_game_records
-
-    by: dict[str, list[float]] = {}
-    for g in iter_game_records(path):
-        by.setdefault(g.scenario_id, []).append(g.reward)
-    return {k: sum(v) / len(v) for k, v in by.items()}
-
-
 def paired_differences(
     run_dir: Path, manifest: Manifest
 ) -> list[tuple[str, int, float, float, float]]:
     """(comparison, scenarios, mean, lo, hi): the final model's held-out reward minus the
-    starting model's and minus each scripted baseline's, paired by scenario (95% t-interval)."""
-    from selfplay.metrics import mean_ci
+    starting model's and minus each scripted baseline's, paired by scenario (95% t-interval),
+    as ``selfplay compare`` pairs them (a scenario matched by id and content). A set whose
+    games are not on disk, or that shares no scenario with the final model's, is left out."""
+    from selfplay.iterate.compare import CompareError, load_games, paired
 
     held = manifest.heldout
     if len(held) < 2:
@@ -239,18 +231,23 @@ def paired_differences(
 
     if not held[final].path or 0 not in held:
         return []
-    last = _scenario_rewards(games(held[final], "model-model.jsonl"))
+    last_path = games(held[final], "model-model.jsonl")
     others = {"start (after 0 rounds)": games(held[0], "model-model.jsonl")}
     for name, b in sorted(manifest.baselines.items()):
         others[f"scripted {name}"] = games(b, f"baseline-{name}.jsonl")
+    if not last_path.exists():
+        return []
+    last = load_games(last_path, f"after {final} rounds")
     out = []
     for label, path in others.items():
         if not path.exists():
             continue
-        base = _scenario_rewards(path)
-        common = sorted(last.keys() & base.keys())
-        mean, lo, hi = mean_ci([last[s] - base[s] for s in common])
-        out.append((f"after {final} rounds - {label}", len(common), mean, lo, hi))
+        try:
+            d = paired(load_games(path, label), last)
+        except CompareError as e:
+            log.warning("held-out pairing left out: %s", e)
+            continue
+        out.append((f"after {final} rounds - {label}", d.scenarios, d.mean, d.low, d.high))
     return out
 
 
