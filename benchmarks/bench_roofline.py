@@ -155,14 +155,14 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
     """Every decoding step's attention timed alone: for each batch size, the engine's SDPA
     (GQA, padding mask) at its steps' mean KV width over every layer, each layer its own KV
     (the cache is read from memory, as in a step), times its steps."""
-    c = engine.model.config.get_text_config()
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    from selfplay.engines.hf import attention_shape
+
+    layers_n, heads, kv_heads, dim = attention_shape(engine.model)
     total = 0.0
     for rows, steps in engine.decode_batches.items():
         width = max(1, round(engine.decode_kv_by_rows[rows] / (rows * steps)))
         q = torch.randn(rows, heads, 1, dim).to(dtype)
-        kvs = [torch.randn(2, rows, kv_heads, width, dim).to(dtype) for _ in range(LAYERS)]
+        kvs = [torch.randn(2, rows, kv_heads, width, dim).to(dtype) for _ in range(layers_n)]
         mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
 
         def layers(q=q, kvs=kvs, mask=mask):

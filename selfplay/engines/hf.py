@@ -650,12 +650,19 @@ def _auto_prefix_budget(model, device: str) -> int:
     return max(AUTO_PREFIX_MIN_TOKENS, int(AUTO_PREFIX_SHARE * free) // kv_bytes_per_token(model))
 
 
+def attention_shape(model) -> tuple[int, int, int, int]:
+    """(layers, query heads, KV heads, head dim) of the model's attention."""
+    c = model.config.get_text_config()
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return c.num_hidden_layers, heads, kv_heads, head_dim
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes of KV cache one token takes: keys and values of every layer's KV heads."""
-    c = model.config.get_text_config()
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+    layers, _, kv_heads, head_dim = attention_shape(model)
+    return 2 * layers * kv_heads * head_dim * model.dtype.itemsize
 
 
 def _plain_cache_layers(model) -> int:
