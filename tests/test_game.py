@@ -611,7 +611,12 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
         unknown_cells,
     )
     from selfplay.game.matching.questions import parse_answers
-    from selfplay.game.matching.rules import best_assignment, estimate_table, parse_proposal
+    from selfplay.game.matching.rules import (
+        best_assignment,
+        best_untried,
+        estimate_table,
+        parse_proposal,
+    )
     from selfplay.game.matching.scripted import _QUESTION
 
     game, gaps = GAMES["matching-advice"], GAMES["matching-gaps"]
@@ -622,7 +627,7 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
         assert intro.split(ADVICE_HEADER)[0].rstrip() == gaps.intro(s, 0).split("\n\nYou")[0]
         assert GAPS_HEADER in intro and "\n\nYou start" in intro and LEFT_HEADER not in intro
         first = parse_proposal(intro.split(ADVICE_HEADER + "\n")[1].split("\n\n")[0], s.n)
-        assert first == best_assignment(estimate_table(s.view(0), {}))[0]
+        assert first == best_untried(estimate_table(s.view(0), {}), [])
         name = ("advised", "advised-asker", "advised-late-asker")[seed % 3]
         partner = ("shy-strict", "shy")[seed % 2]
         rules = game.new_game(s, max_actions=24)
@@ -679,10 +684,12 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
                     assert block == ""
                 pairs = parse_proposal(advice, s.n)
                 estimate = estimate_table(s.view(0), stated)
-                if not rejected:
-                    assert pairs == best_assignment(estimate)[0]
-                elif len(rejected) < 2:  # one rejected: its best neighbour, never itself
-                    assert pairs not in rejected
+                assert pairs not in rejected
+                assert pairs == best_untried(estimate, rejected)
+                if not rejected:  # a maximum of the estimate (ties may differ from Hungarian's)
+                    best = best_assignment(estimate)[0]
+                    value = sum(estimate[r, p] for r, p in pairs)
+                    assert value == pytest.approx(sum(estimate[r, p] for r, p in best))
             if seat == 0:
                 asks_before = asks
         order = [f"{REVIEWERS[r]} on {PAPERS_SHORT[p]}" for r, p in unknown]
@@ -700,3 +707,133 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
             for g in (gaps, game)
         )
         assert a.summary.reward_mean == b.summary.reward_mean
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 8), st.integers(0, 2**32 - 1), st.data())
+def test_ranked_assignments_are_all_best_first_and_best_untried_is_exact(n, seed, data):
+    """Up to 5x5 the ranking enumerates all n! assignments; above, Murty's k-best gives the same
+    values in the same order (checked against enumeration by forcing it on small tables);
+    ``best_untried`` is the first assignment not rejected, never a rejected one, and None once
+    every assignment was rejected."""
+    import math
+
+    from selfplay.game.matching.rules import _murty, best_untried, ranked_assignments
+
+    rng = np.random.default_rng(seed)
+    estimate = rng.integers(0, 6, (n, n)).astype(float)  # small values: many ties
+    k = min(math.factorial(n), 40)
+    ranked = list(itertools.islice(ranked_assignments(estimate), k))
+    values = [v for v, _ in ranked]
+    assert values == sorted(values, reverse=True)
+    assert len({tuple(p) for _, p in ranked}) == k
+    for v, pairs in ranked:
+        assert sorted(r for r, _ in pairs) == sorted(p for _, p in pairs) == list(range(n))
+        assert v == sum(estimate[r, p] for r, p in pairs)
+    if n <= 5:
+        murty = list(_murty(estimate))
+        assert len(murty) == math.factorial(n) == len(list(ranked_assignments(estimate)))
+        assert [v for v, _ in murty] == [v for v, _ in ranked_assignments(estimate)]
+    rejected = [pairs for _, pairs in ranked[: data.draw(st.integers(0, k - 1))]]
+    rejected = data.draw(st.permutations(rejected))
+    chosen = best_untried(estimate, rejected)
+    assert chosen not in rejected
+    assert sum(estimate[r, p] for r, p in chosen) == values[len(rejected)]
+    if n <= 4:
+        assert best_untried(estimate, [p for _, p in ranked_assignments(estimate)]) is None
+
+
+@pytest.mark.parametrize("view", ["matching-advice", "matching-gaps", "matching"])
+def test_no_view_or_scripted_player_offers_a_rejected_proposal_again(view):
+    """Over many scenarios and every scripted player beside every partner that rejects: the
+    advice a seat is shown is never one of its rejected proposals, and a scripted player that
+    proposes from the best untried assignment never proposes a rejected one again (proposer,
+    advised, advised-asker, inquisitive, asker; the others propose by other rules)."""
+    import asyncio
+
+    from selfplay.game import GAMES
+    from selfplay.game.matching.prompts import ADVICE_HEADER, ADVICE_NONE
+    from selfplay.game.matching.rules import parse_proposal
+    from selfplay.game.matching.scripted import SCRIPTED_NAMES
+
+    game = GAMES[view]
+    untried = {"proposer", "advised", "advised-asker", "advised-late-asker", "inquisitive"}
+    checked = {"advice": 0, "repeat": 0, "rejections": 0}
+    for seed in range(12):
+        s = generate_scenario(1000 + seed, 3 + seed % 2)
+        for name in SCRIPTED_NAMES:
+            for partner in ("shy-strict", "shy", "random"):
+                players = (game.scripted(name, s, 0, seed=seed), game.scripted(partner, s, 1))
+                rules = game.new_game(s, max_actions=24)
+                shown: list[list[str]] = [[game.intro(s, 0)], [game.intro(s, 1)]]
+                proposed: list = [None, None]
+                rejected: list[list] = [[], []]
+                while not rules.done:
+                    seat = rules.turn
+                    observation, shown[seat] = "\n\n".join(shown[seat]), []
+                    text = asyncio.run(players[seat].act(observation))
+                    result = rules.step(seat, text)
+                    kind = result.action.kind
+                    if kind == "propose" and result.action.valid:
+                        pairs = parse_proposal(text.split("]", 1)[1], s.n)
+                        if name in untried and seat == 0:
+                            assert pairs not in rejected[0], (name, partner, s.id)
+                            checked["repeat"] += 1
+                        proposed[seat] = pairs
+                    if kind == "reject" and proposed[1 - seat] is not None:
+                        rejected[1 - seat].append(proposed[1 - seat])
+                        checked["rejections"] += 1
+                    for k in (0, 1):
+                        shown[k].extend(result.observations[k])
+                        for o in result.observations[k]:
+                            if ADVICE_HEADER not in o:
+                                continue
+                            advice = o.split(ADVICE_HEADER + "\n")[1].split("\n\n")[0]
+                            checked["advice"] += 1
+                            if advice != ADVICE_NONE:
+                                assert parse_proposal(advice, s.n) not in rejected[k]
+    assert checked["repeat"] > 100 and checked["rejections"] > 50
+    assert (checked["advice"] > 100) == (view == "matching-advice")
+
+
+def test_a_proposal_cap_ends_the_game_with_no_deal_at_the_last_rejection():
+    """matching-cap2: the rules say the cap; the responder to the last allowed proposal is told
+    so; rejecting it ends the game with NO_DEAL and reward 0; accepting it scores as usual; the
+    uncapped game plays on. Scripted play: the capped reward equals the uncapped game's when it
+    agreed within 2 proposals, else 0."""
+    from selfplay.evaluate.scripted import play_scripted
+    from selfplay.game import GAMES, Outcome
+    from selfplay.game.matching.turns import LAST_PROPOSAL
+
+    capped, plain = GAMES["matching-cap2"], GAMES["matching-gaps"]
+    s = generate_scenario(5, 3)
+    assert "at most 2 proposals" in capped.intro(s, 0)
+    assert "at most 2 proposals" not in plain.intro(s, 0)
+    assert capped.intro(s, 0).endswith(plain.intro(s, 0).split("Scores:")[1])
+    a = format_proposal([(0, 0), (1, 1), (2, 2)], 3)
+    b = format_proposal([(0, 1), (1, 0), (2, 2)], 3)
+    for game, ends in ((capped, True), (plain, False)):
+        rules = game.new_game(s)
+        first = rules.step(0, "[propose] " + a)
+        assert LAST_PROPOSAL not in "\n".join(first.observations[1])
+        rules.step(1, "[reject]")
+        rules.step(1, "[propose] " + b)  # the rejecting seat keeps the turn
+        last = rules.step(0, "[reject]")
+        assert last.done is ends and rules.reward == 0
+        assert (last.outcome is Outcome.NO_DEAL) is ends
+    rules = capped.new_game(s)
+    rules.step(0, "[propose] " + a)
+    rules.step(1, "[reject]")
+    shown = rules.step(1, "[propose] " + b).observations[0]
+    assert any(LAST_PROPOSAL in o for o in shown)
+    assert rules.step(0, "[accept]").outcome is Outcome.ACCEPTED
+    assert rules.reward == s.score([(0, 1), (1, 0), (2, 2)]) / s.best
+    games = {
+        g.name: play_scripted(g, ("proposer", "shy"), num_games=24, seed=3, n=3, max_actions=30)
+        for g in (capped, plain)
+    }
+    for c, p in zip(games["matching-cap2"], games["matching-gaps"]):
+        proposals = sum(x.kind == "propose" and x.valid for x in p.actions)
+        agreed = p.outcome == "accepted" and proposals <= 2
+        assert c.reward == (p.reward if agreed else 0.0)
+        assert c.outcome == (p.outcome if proposals <= 2 else "no_deal")

@@ -360,8 +360,10 @@ def test_explainer_picks_script_counts_greedy_picks_and_copies():
 def test_asker_asks_its_unknown_cells_then_picks_from_the_answers_and_proposes_the_picks():
     """asker + shy: direct questions about the cells the asker does not know, in table order, at
     most 2(n - 1); then picks over its own values and shy's answers (greedy_picks); then a
-    proposal of exactly those pairs. picker plays the same without the questions, and asking is
-    worth its actions against shy."""
+    proposal of exactly those pairs. picker plays the same without the questions. With 20 actions
+    and every proposal new (``rules.best_untried`` exact), the questions cost more actions than
+    they earn against shy (the learning audit's finding; before the fix asking looked worth
+    +0.03 because picker re-proposed rejected assignments)."""
     from selfplay.game.matching.scripted import format_picks, greedy_picks, parse_picks
 
     for seed in range(20):
@@ -393,4 +395,4 @@ def test_asker_asks_its_unknown_cells_then_picks_from_the_answers_and_proposes_t
         for name in ("asker", "picker")
     }
     assert score["asker"].direct_questions_per_game > 3 and score["picker"].questions_per_game == 0
-    assert score["asker"].reward_mean > score["picker"].reward_mean + 0.03
+    assert score["asker"].reward_mean < score["picker"].reward_mean

@@ -14,6 +14,7 @@ from selfplay.game.api import DialogueGame, GameOverError, Outcome
 from selfplay.game.matching import (
     MATCHING,
     MATCHING_ADVICE,
+    MATCHING_CAP2,
     MATCHING_GAPS,
     MATCHING_LINES,
     MATCHING_NOTES,
@@ -45,6 +46,7 @@ GAMES: dict[str, DialogueGame] = {
         MATCHING_GAPS,
         MATCHING_NOTES,
         MATCHING_ADVICE,
+        MATCHING_CAP2,
     )
 }
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
@@ -83,6 +85,7 @@ __all__ = [
     "GAMES",
     "MATCHING",
     "MATCHING_ADVICE",
+    "MATCHING_CAP2",
     "MATCHING_GAPS",
     "MATCHING_LINES",
     "MATCHING_NOTES",

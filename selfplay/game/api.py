@@ -50,6 +50,7 @@ class Outcome(StrEnum):
     ACCEPTED = "accepted"  # the seats agreed: shared reward in [0, 1] (matching: score / best)
     MAX_ACTIONS = "max_actions"  # action budget spent without agreement: reward 0
     INVALID = "invalid"  # too many consecutive invalid actions by one seat: reward 0
+    NO_DEAL = "no_deal"  # the game's last allowed proposal was rejected: reward 0
     ERROR = "error"  # a player or engine failed (set by the runner, never by the rules): reward 0
 
 

@@ -40,6 +40,11 @@ You and your partner each see part of the table, in different scales; {unknown} 
 you. Share what you know, then propose. Start every turn with one tag: "[message] text", \
 "[propose] Proposal:" then one "Paper: Reviewer" line per paper, "[accept]" or "[reject]". \
 Your shared score: the accepted proposal's total over the best possible."""
+# A proposal cap (``turns.Game.max_proposals``), added to the rules' last paragraph.
+CAP_RULE = (
+    "You may make at most {k} proposals between you: if the last one is rejected, the game ends "
+    "with no deal and a score of 0."
+)
 INSTRUCTIONS_BY_STYLE = {"full": INSTRUCTIONS, "short": SHORT_INSTRUCTIONS}
 
 TABLE_HEADER = "Reviewer Paper Similarity Scores:"
@@ -67,6 +72,7 @@ ADVICE_HEADER = "Best proposal by what you know, not yet rejected:"
 # has not asked about and was not told, in table order, at most 2(n - 1) minus its questions so
 # far (``scripted:advised-asker``'s budget), so that its next question is a copy of a line too.
 LEFT_HEADER = "Left to ask:"
+ADVICE_NONE = "none: your partner rejected every assignment"
 _UNKNOWN = {
     "csv": "empty cells",
     "lines": "cells not listed",
@@ -154,6 +160,8 @@ def view_advice(
     makes, so that proposing well is a copy."""
     estimate = estimate_table(scenario.view(seat), stated)
     pairs = best_untried(estimate, rejected)
+    if pairs is None:
+        return ADVICE_HEADER + "\n" + ADVICE_NONE
     return ADVICE_HEADER + "\n" + format_proposal(pairs, scenario.n)
 
 

@@ -70,6 +70,7 @@ from selfplay.game.matching.rules import (
 )
 from selfplay.seats import SeatConfig, SeatTokens
 
+NOTHING_LEFT = "I have no proposal left that you have not rejected."
 _PARTNER = re.compile(r"Partner: \[(message|propose|accept|reject)\]", re.IGNORECASE)
 _CHOICES = "You can output one of these choices"
 _VALUE_ITEM = re.compile(r"(\w+) (\d+)")
@@ -373,9 +374,18 @@ class Inquisitive(Cooperative):
                     best_gain, best_cell = value - base, cell
         return best_cell
 
-    def best_untried(self, estimate: np.ndarray) -> Pairs:
-        """The best assignment the partner has not rejected (``rules.best_untried``)."""
+    def best_untried(self, estimate: np.ndarray) -> Pairs | None:
+        """The best assignment the partner has not rejected (``rules.best_untried``); None once
+        it rejected every one."""
         return best_untried(estimate, self.rejected)
+
+    def propose_untried(self, estimate: np.ndarray) -> str:
+        """Propose the best assignment not yet rejected; once every one was rejected, say so
+        instead of proposing a rejected one again."""
+        self.proposed = self.best_untried(estimate)
+        if self.proposed is None:
+            return "[message] " + NOTHING_LEFT
+        return self.propose(self.proposed)
 
     def decide(self) -> str:
         if self.pending is not None:
@@ -393,8 +403,7 @@ class Inquisitive(Cooperative):
 
     def conclude(self) -> str:
         """The move once nothing is left to ask or answer: the best assignment not yet rejected."""
-        self.proposed = self.best_untried(self.merged())
-        return self.propose(self.proposed)
+        return self.propose_untried(self.merged())
 
 
 PICKS = "Highest first: "
@@ -506,8 +515,10 @@ class Asker(Inquisitive):
             self.picked = True
             return "[message] " + format_picks(steps)
         picks = sorted((r, p) for r, p, _ in steps)
-        self.proposed = picks if picks not in self.rejected else self.best_untried(self.merged())
-        return self.propose(self.proposed)
+        if picks in self.rejected:
+            return self.propose_untried(self.merged())
+        self.proposed = picks
+        return self.propose(picks)
 
 
 class Picker(Asker):
@@ -535,8 +546,7 @@ class LateAsker(Asker):
         steps = greedy_picks(self.view, self.partner_values)
         picks = sorted((r, p) for r, p, _ in steps)
         if picks in self.rejected:
-            self.proposed = self.best_untried(self.merged())
-            return self.propose(self.proposed)
+            return self.propose_untried(self.merged())
         answered = frozenset(self.partner_values)
         if self.picked_over != answered:
             self.picked_over = answered
@@ -576,6 +586,30 @@ class AdvisedLateAsker(AdvisedAsker):
         return AdvisedAsker.question(self) if self.rejected else None
 
 
+class Proposer(Inquisitive):
+    """The strongest simple policy that never asks: proposes the best assignment by its own
+    estimate (its known values, anything the partner states or answers converted to its scale,
+    the mean elsewhere) that the partner has not rejected, so its proposals run down its
+    estimate's ranking without a repeat; judges proposals like ``cooperative``; never asks,
+    never answers, never shares its table. Once every assignment was rejected it says so."""
+
+    name = "proposer"
+
+    def __init__(self, scenario: Scenario, seat: int, seed: int = 0, **kw) -> None:
+        super().__init__(scenario, seat, seed, max_questions=0, **kw)
+
+    def observe(self, kind: str, body: str) -> None:
+        super().observe(kind, body)
+        if kind == "message":  # values a cooperative partner volunteers count too
+            self.partner_values.update(parse_values(body, self.n))
+        self.questions = []  # never answers
+
+    def decide(self) -> str:
+        if self.pending is not None:
+            return Cooperative.decide(self)
+        return self.conclude()
+
+
 def _index(names, text: str) -> int | None:
     folded = text.strip().casefold()
     return next((i for i, name in enumerate(names) if name.casefold() == folded), None)
@@ -597,6 +631,7 @@ _PLAYERS: dict[str, type[ScriptedPlayer]] = {
         Advised,
         AdvisedAsker,
         AdvisedLateAsker,
+        Proposer,
     )
 }
 SCRIPTED_NAMES: tuple[str, ...] = tuple(_PLAYERS)

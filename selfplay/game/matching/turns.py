@@ -27,6 +27,7 @@ ERR_FORMAT = (
     "Your output must start with one of the tags [message], [propose], [accept] or [reject]."
 )
 REJECTED_YOUR_TURN = "You rejected the proposal. It is still your turn."
+LAST_PROPOSAL = "This is the last proposal allowed: if you reject it, the game ends with no deal."
 PROPOSAL_CHOICES = "You can output one of these choices: [accept] or [reject]"
 
 _TAG = re.compile(r"^\s*\[(message|propose|accept|reject)\]", re.IGNORECASE)
@@ -61,6 +62,9 @@ class Game:
     scenario: Scenario
     max_actions: int = 30
     max_invalid: int = 3
+    # a cap on proposals (matching-cap2): the partner's rejection of the last allowed one ends
+    # the game with no deal, so a proposal is worth making only when it is likely accepted
+    max_proposals: int | None = None
     turn: int = 0
     pending: Pairs | None = None
     pending_from: int | None = None
@@ -86,6 +90,8 @@ class Game:
             raise ValueError(f"max_actions must be at least 1, got {self.max_actions}")
         if self.max_invalid < 1:
             raise ValueError(f"max_invalid must be at least 1, got {self.max_invalid}")
+        if self.max_proposals is not None and self.max_proposals < 1:
+            raise ValueError(f"max_proposals must be at least 1, got {self.max_proposals}")
 
     @property
     def done(self) -> bool:
@@ -101,6 +107,14 @@ class Game:
     def reward(self) -> float:
         """Shared normalised reward score / best, in [0, 1]; 0 without agreement."""
         return self.score / self.scenario.best if self.scenario.best > 0 else 0.0
+
+    @property
+    def proposals_left(self) -> int | None:
+        """Proposals the seats may still make (None: no cap)."""
+        if self.max_proposals is None:
+            return None
+        made = sum(a.kind == "propose" and a.valid for a in self.actions)
+        return max(0, self.max_proposals - made)
 
     def fail(self, reason: Outcome = Outcome.ERROR) -> None:
         """End the game from outside the rules (engine failure, timeout): reward 0."""
@@ -142,6 +156,8 @@ class Game:
                 case "propose":
                     self.pending, self.pending_from = action.proposal, seat
                     obs[partner].append(f"Partner: {body}\n{PROPOSAL_CHOICES}")
+                    if self.proposals_left == 0:
+                        obs[partner].append(LAST_PROPOSAL)
                     self.turn = partner
                 case "accept":
                     obs[partner].append("Partner: [accept]")
@@ -154,6 +170,8 @@ class Game:
                         obs[partner].append(self._advice(partner))
                     self.pending = self.pending_from = None
                     obs[seat].append(REJECTED_YOUR_TURN)  # the rejecting seat keeps the turn
+                    if self.proposals_left == 0:
+                        self.outcome = Outcome.NO_DEAL
         if not self.done and len(self.actions) >= self.max_actions:
             self.outcome = Outcome.MAX_ACTIONS
         return StepResult(obs, self.done, self.outcome, action)
