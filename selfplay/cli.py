@@ -177,8 +177,8 @@ def eval_cmd(
     players: str | None = typer.Option(
         None,
         help="Scripted pair mode: two policies, seat 1 then seat 2 (matching: cooperative, "
-        "no-talk, shy, random, inquisitive, explainer); the default mode when no --models or "
-        "--run is given.",
+        "no-talk, proposer, shy, shy-strict, random, inquisitive, advised, ...); the default "
+        "mode when no --models or --run is given.",
     ),
     num_games: int | None = typer.Option(
         None, min=1, help="Scripted pair mode: games, one fresh scenario each (default 200)."
@@ -215,7 +215,7 @@ def eval_cmd(
             num_games=num_games or 200,
             n=opts["table_size"],
             out=out,
-            **{k: opts[k] for k in ("seed", "max_actions")},
+            **{k: opts[k] for k in ("seed", "max_actions", "split")},
         )
         Console().print(scripted_table(pair))
         return

@@ -7,6 +7,13 @@
   63-bit SeedSequence hash of (EVAL_SPACE, s, index) shifted left by one with the low bit set, so
   it is always **odd**. Its game ``k`` has seed ``eval_game_seed(s, index, k)``.
 
+- Held-out scenarios come in two splits (``SPLITS``): ``dev``, the seeds above, which per-round
+  curves and recipe choices use, and ``test``, played once at the end of a run (``selfplay
+  iterate --test-scenarios``, ``selfplay eval --split test``): the same formulas with
+  TEST_SPACE as the first word (``heldout_scenario_seed``, ``heldout_game_seed``). Both are odd;
+  the two splits are separate hash domains (a shared seed would be a 63-bit hash collision,
+  and ``tests/test_game.py`` checks the first thousands of each apart).
+
 Why the spaces are disjoint: the low bit alone separates them, for any seed, round or index, so an
 evaluation never replays a training scenario (the distinct first words, TRAIN_SPACE and
 EVAL_SPACE, also keep the game seeds apart). Every sampling seed of a game derives from its game
@@ -21,15 +28,22 @@ import hashlib
 import numpy as np
 
 TRAIN_SPACE = 0x5E1F_9A3E  # the first word of every training seed sequence
-EVAL_SPACE = 0x5E1F_E7A1  # the first word of every evaluation seed sequence
+EVAL_SPACE = 0x5E1F_E7A1  # the first word of every evaluation seed sequence (the dev split)
+TEST_SPACE = 0x5E1F_7E57  # the first word of every test-split seed sequence
+SPLITS = ("dev", "test")
+_SPACE = {"dev": EVAL_SPACE, "test": TEST_SPACE}
 
 __all__ = [
     "EVAL_SPACE",
+    "SPLITS",
+    "TEST_SPACE",
     "TRAIN_SPACE",
     "derive_seed",
     "eval_game_seed",
     "eval_scenario_seed",
     "game_seed",
+    "heldout_game_seed",
+    "heldout_scenario_seed",
     "scenario_seed",
 ]
 
@@ -66,3 +80,20 @@ def eval_scenario_seed(seed: int, index: int) -> int:
 def eval_game_seed(seed: int, index: int, k: int) -> int:
     """Seed of game ``k`` on held-out scenario ``index``; the seats' sampling derives from it."""
     return derive_seed(EVAL_SPACE, seed, index, k)
+
+
+def _space(split: str) -> int:
+    if split not in _SPACE:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return _SPACE[split]
+
+
+def heldout_scenario_seed(split: str, seed: int, index: int) -> int:
+    """Seed of held-out scenario ``index`` of ``split`` (dev: ``eval_scenario_seed``) under eval
+    seed ``seed``: always odd."""
+    return (_hash63(_space(split), seed, index) << 1) | 1
+
+
+def heldout_game_seed(split: str, seed: int, index: int, k: int) -> int:
+    """Seed of game ``k`` on held-out scenario ``index`` of ``split`` (dev: ``eval_game_seed``)."""
+    return derive_seed(_space(split), seed, index, k)

@@ -516,3 +516,40 @@ def test_eval_cli_through_sglang(sglang_url, tiny_model, tmp_path):
     # an engine URL without --engine sglang is refused, as in generate and iterate
     bad = CliRunner().invoke(app, [*args[:3], "--engine-url", sglang_url, "--out", str(out)])
     assert bad.exit_code == 1 and "add --engine sglang" in bad.output
+
+
+def test_dev_and_test_splits_are_separate_seed_spaces_and_eval_plays_the_one_named(tmp_path):
+    """The test split's scenario seeds share none with the dev split's (or training's, which are
+    even) over thousands of indices and several eval seeds; dev's seeds are the ones every earlier
+    run used; `selfplay eval --players A,B --split test` plays test scenarios and says so."""
+    import json
+    import subprocess
+    import sys
+
+    from selfplay.evaluate.scripted import play_scripted
+    from selfplay.game import get_game
+    from selfplay.seeds import heldout_game_seed, heldout_scenario_seed
+
+    dev = {heldout_scenario_seed("dev", s, i) for s in range(4) for i in range(3000)}
+    test = {heldout_scenario_seed("test", s, i) for s in range(4) for i in range(3000)}
+    assert len(dev) == len(test) == 12000 and not dev & test
+    assert all(x % 2 for x in test)
+    assert heldout_scenario_seed("dev", 7, 3) == eval_scenario_seed(7, 3)
+    assert heldout_game_seed("test", 7, 0, 0) != heldout_game_seed("dev", 7, 0, 0)
+    with pytest.raises(ValueError, match="split"):
+        heldout_scenario_seed("train", 7, 0)
+    game = get_game("matching")
+    games = play_scripted(game, ("proposer", "shy"), num_games=3, seed=7, n=3, split="test")
+    assert [g.scenario.seed for g in games] == [
+        heldout_scenario_seed("test", 7, i) for i in range(3)
+    ]
+    assert all(g.game_id.startswith("test-") for g in games)
+    out = tmp_path / "pair.json"
+    cmd = [sys.executable, "-m", "selfplay", "eval", "--players", "proposer,shy-strict"]
+    cmd += ["--table-size", "3", "--num-games", "4", "--split", "test", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "test split" in done.stdout
+    assert json.loads(out.read_text())["split"] == "test"
+    bad = subprocess.run([*cmd[:-2], "--split", "train"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "split" in (bad.stdout + bad.stderr)

@@ -58,6 +58,9 @@ class EvalError(UserError, ValueError):
         self.result = result
 
 
+Split = Literal["dev", "test"]  # seeds.SPLITS
+
+
 class ModelSpec(BaseModel):
     """A model to evaluate: its label in the table and what to load (dir, HF id, ``embedded``)."""
 
@@ -93,6 +96,11 @@ class EvalConfig(PartnerOptions, PlayOptions):
     )
     games_per_scenario: int = Field(1, ge=1, description="Games per scenario (needs sampling).")
     seed: int = Field(7, ge=0, description="Eval seed: picks the held-out scenarios (odd seeds).")
+    split: Split = Field(
+        "dev",
+        description="Held-out split: dev (per-round curves, what recipes are tuned on) or test "
+        "(a separate seed space, played once at the end of a run; report it as the headline).",
+    )
     sampling: SamplingParams = Field(
         SamplingParams(temperature=0.0),
         description="The models' sampling: temperature (0: greedy, deterministic), top-p and "

@@ -87,7 +87,7 @@ from selfplay.players.llm import ChatFormat, load_chat_format
 from selfplay.records import GameRecord, append_records
 from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
-from selfplay.seeds import eval_scenario_seed
+from selfplay.seeds import heldout_scenario_seed
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,12 @@ class _Evaluation:
     def __init__(self, config: EvalConfig, engine: Engine | None = None) -> None:
         self.config = config
         self.lent = engine  # an engine the caller started and closes, for the one model
-        self.seeds = [eval_scenario_seed(config.seed, i) for i in range(config.num_scenarios)]
-        self.plan = eval_plan(config.seed, config.num_scenarios, config.games_per_scenario)
+        self.seeds = [
+            heldout_scenario_seed(config.split, config.seed, i) for i in range(config.num_scenarios)
+        ]
+        self.plan = eval_plan(
+            config.seed, config.num_scenarios, config.games_per_scenario, config.split
+        )
         self.game = get_game(config.game)
         self.scenarios = Scenarios(config.table_size, keep=True, game=self.game)  # every row
         self.games_dir = config.out / "games" if config.out is not None else None

@@ -19,7 +19,7 @@ from selfplay.generate.rollout import (
 )
 from selfplay.metrics import GameSummary, summarize
 from selfplay.records import GameRecord
-from selfplay.seeds import eval_scenario_seed
+from selfplay.seeds import heldout_scenario_seed
 
 
 def play_scripted(
@@ -31,11 +31,13 @@ def play_scripted(
     n: int = 8,
     max_actions: int = 30,
     max_invalid: int = 3,
+    split: str = "dev",
 ) -> list[GameRecord]:
     """Play ``num_games`` games of two of ``game``'s scripted policies, one fresh held-out scenario
     each.
 
-    Game ``i`` has id ``eval-{i}`` and seed ``eval_scenario_seed(seed, i)``; seat ``s`` plays with
+    Game ``i`` has id ``eval-{i}`` (``test-{i}`` on the test split) and seed
+    ``heldout_scenario_seed(split, seed, i)``; seat ``s`` plays with
     seed + 1 + s (the seeds these games always had, kept so that stored baselines still hold).
     """
 
@@ -44,8 +46,9 @@ def play_scripted(
 
     plan = []
     for i in range(num_games):
-        sseed = eval_scenario_seed(seed, i)
-        plan.append(GameSpec(i, i, sseed, 0, f"eval-{i}", sseed))
+        sseed = heldout_scenario_seed(split, seed, i)
+        prefix = "eval" if split == "dev" else split
+        plan.append(GameSpec(i, i, sseed, 0, f"{prefix}-{i}", sseed))
 
     async def run() -> list[GameRecord]:
         scenarios = Scenarios(n, game=game)
@@ -69,10 +72,12 @@ class ScriptedPair:
     n: int
     max_actions: int
     summary: GameSummary
+    split: str = "dev"
 
     def as_dict(self) -> dict:
         """The JSON ``eval --players --out`` writes: the pair, its settings and its summary."""
         settings = {"players": list(self.players), "num_games": self.num_games, "seed": self.seed}
+        settings |= {"split": self.split}
         settings |= {"n": self.n, "max_actions": self.max_actions}
         return {**settings, **self.summary.model_dump(exclude={"partner"})}
 
@@ -86,11 +91,12 @@ def evaluate_scripted(
     n: int = 8,
     max_actions: int = 30,
     max_invalid: int = 3,
+    split: str = "dev",
 ) -> ScriptedPair:
     """The summary (see metrics.summarize) of ``play_scripted``'s games, with the pair."""
-    limits = {"max_actions": max_actions, "max_invalid": max_invalid}
+    limits = {"max_actions": max_actions, "max_invalid": max_invalid, "split": split}
     games = play_scripted(game, players, num_games=num_games, seed=seed, n=n, **limits)
-    return ScriptedPair(players, num_games, seed, n, max_actions, summarize(games))
+    return ScriptedPair(players, num_games, seed, n, max_actions, summarize(games), split)
 
 
 def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
@@ -121,7 +127,8 @@ def scripted_table(pair: ScriptedPair):
     from rich.table import Table
 
     names, summary = pair.players, pair.summary
-    table = Table(title=f"{names[0]} (seat 1) + {names[1]} (seat 2), {pair.num_games} games")
+    title = f"{names[0]} (seat 1) + {names[1]} (seat 2), {pair.num_games} games"
+    table = Table(title=f"{title}, {pair.n}x{pair.n}, {pair.split} split (eval seed {pair.seed})")
     for key in (
         "reward_mean",
         "reward_ci_low",

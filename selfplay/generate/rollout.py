@@ -50,7 +50,13 @@ from selfplay.players.partners import (
     policy_seat_index,
 )
 from selfplay.records import GameRecord, SamplingParams
-from selfplay.seeds import derive_seed, eval_game_seed, eval_scenario_seed, game_seed, scenario_seed
+from selfplay.seeds import (
+    derive_seed,
+    game_seed,
+    heldout_game_seed,
+    heldout_scenario_seed,
+    scenario_seed,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The plan
@@ -88,11 +94,15 @@ def training_plan(
             )
 
 
-def eval_plan(seed: int, num_scenarios: int, games_per_scenario: int) -> list[GameSpec]:
-    """An evaluation row's games: every held-out scenario, ``games_per_scenario`` games each."""
+def eval_plan(
+    seed: int, num_scenarios: int, games_per_scenario: int, split: str = "dev"
+) -> list[GameSpec]:
+    """An evaluation row's games: every held-out scenario of ``split`` (``seeds.SPLITS``),
+    ``games_per_scenario`` games each; test-split game ids start with ``test-``."""
     plan = []
+    prefix = "eval" if split == "dev" else split
     for i in range(num_scenarios):
-        sseed = eval_scenario_seed(seed, i)
+        sseed = heldout_scenario_seed(split, seed, i)
         for k in range(games_per_scenario):
             plan.append(
                 GameSpec(
@@ -100,8 +110,8 @@ def eval_plan(seed: int, num_scenarios: int, games_per_scenario: int) -> list[Ga
                     scenario_index=i,
                     scenario_seed=sseed,
                     k=k,
-                    game_id=f"eval-s{sseed}-g{k}",
-                    seed=eval_game_seed(seed, i, k),
+                    game_id=f"{prefix}-s{sseed}-g{k}",
+                    seed=heldout_game_seed(split, seed, i, k),
                 )
             )
     return plan
