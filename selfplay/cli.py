@@ -452,22 +452,51 @@ def iterate_cmd(
     logger: LoggerOption = "",
     force: bool = typer.Option(False, help="Resume even though the options changed."),
     report: bool = typer.Option(True, help="Write the run report at the end."),
+    seeds: str | None = typer.Option(
+        None,
+        help="Training seeds, comma-separated (e.g. 0,1,2): one run per seed, data/NAME/seed-K "
+        "(checkpoints/NAME/seed-K), one after the other, each resumable; then data/NAME/SEEDS.md "
+        "over them. Replaces --seed.",
+    ),
     **opts,
 ) -> None:
     """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
-    from selfplay.iterate import iterate
-    from selfplay.iterate.track import summary_line
     from selfplay.models import resolve_model
 
     _check_engine(engine, engine_url)
     initial = resolve_model(model)
-    cfg = build(
-        ITERATE,
-        opts,
-        model=initial,
-        engine=_engine(engine, engine_url, opts, initial),
-        loggers=tuple(x for x in logger.split(",") if x.strip()),
-    )
+
+    def config(**update):
+        return build(
+            ITERATE,
+            {**opts, **update},
+            model=initial,
+            engine=_engine(engine, engine_url, opts, initial),
+            loggers=tuple(x for x in logger.split(",") if x.strip()),
+        )
+
+    if seeds is None:
+        _iterate_one(config(), force, report)
+        return
+    from selfplay.iterate.seeds import parse_seeds, seed_name, seeds_report
+
+    parent = config()  # checks the options once, before any seed starts
+    for s in parse_seeds(seeds):
+        console.print(f"[bold]seed {s}[/]: run {parent.name}/{seed_name(s)}")
+        cfg = config(
+            seed=s,
+            name=seed_name(s),
+            data_root=parent.data_root / parent.name,
+            checkpoint_root=parent.checkpoint_root / parent.name,
+        )
+        _iterate_one(cfg, force, report)
+    console.print(f"seeds: {seeds_report(parent.run_dir, parse_seeds(seeds))}")
+
+
+def _iterate_one(cfg, force: bool, report: bool) -> None:
+    from selfplay.iterate import iterate
+    from selfplay.iterate.track import summary_line
+
     try:
         with sigterm_as_interrupt():  # the stage's child is stopped too
             run = iterate(cfg, force=force)
@@ -513,7 +542,7 @@ def compare_cmd(
     """Held-out results side by side, each paired with the first by scenario (95% t-interval)."""
     from rich.table import Table
 
-    from selfplay.iterate import compare
+    from selfplay.evaluate import compare
 
     sets, pairs = compare.compare(held_out, data_root)
     if markdown:

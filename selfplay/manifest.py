@@ -77,6 +77,9 @@ class Manifest(BaseModel):
     # held-out results by the number of GRPO rounds behind the model (0: the starting model)
     heldout: dict[int, HeldOut] = {}
     baselines: dict[str, HeldOut] = {}  # scripted pairs on the same held-out scenarios
+    # the test split, played once after the last round (iterate.test_split): start, final and
+    # baselines by row name; empty before it was played or in runs without one
+    test: dict[str, HeldOut] = {}
     rounds: dict[int, RoundRecord] = {}
     tracker_step: int = 0  # the last step sent to the experiment trackers (steps only grow)
 

@@ -805,7 +805,7 @@ def test_a_proposal_cap_ends_the_game_with_no_deal_at_the_last_rejection():
     from selfplay.game import GAMES, Outcome
     from selfplay.game.matching.turns import LAST_PROPOSAL
 
-    capped, plain = GAMES["matching-cap2"], GAMES["matching-gaps"]
+    capped, plain = GAMES["matching-cap2"], GAMES["matching"]
     s = generate_scenario(5, 3)
     assert "at most 2 proposals" in capped.intro(s, 0)
     assert "at most 2 proposals" not in plain.intro(s, 0)
@@ -832,7 +832,9 @@ def test_a_proposal_cap_ends_the_game_with_no_deal_at_the_last_rejection():
         g.name: play_scripted(g, ("proposer", "shy"), num_games=24, seed=3, n=3, max_actions=30)
         for g in (capped, plain)
     }
-    for c, p in zip(games["matching-cap2"], games["matching-gaps"]):
+    advice = GAMES["matching-advice-cap2"]
+    assert "at most 2 proposals" in advice.intro(s, 0) and advice.new_game(s).max_proposals == 2
+    for c, p in zip(games["matching-cap2"], games["matching"]):
         proposals = sum(x.kind == "propose" and x.valid for x in p.actions)
         agreed = p.outcome == "accepted" and proposals <= 2
         assert c.reward == (p.reward if agreed else 0.0)

@@ -14,6 +14,7 @@ from selfplay.game.api import DialogueGame, GameOverError, Outcome
 from selfplay.game.matching import (
     MATCHING,
     MATCHING_ADVICE,
+    MATCHING_ADVICE_CAP2,
     MATCHING_CAP2,
     MATCHING_GAPS,
     MATCHING_LINES,
@@ -47,6 +48,7 @@ GAMES: dict[str, DialogueGame] = {
         MATCHING_NOTES,
         MATCHING_ADVICE,
         MATCHING_CAP2,
+        MATCHING_ADVICE_CAP2,
     )
 }
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
@@ -85,6 +87,7 @@ __all__ = [
     "GAMES",
     "MATCHING",
     "MATCHING_ADVICE",
+    "MATCHING_ADVICE_CAP2",
     "MATCHING_CAP2",
     "MATCHING_GAPS",
     "MATCHING_LINES",

@@ -150,7 +150,15 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     eval_scenarios: int = Field(
         30, ge=0, description="Held-out scenarios each round's model plays greedily (0: none)."
     )
-    eval_seed: int = Field(7, ge=0, description="Picks the held-out scenarios.")
+    eval_seed: int = Field(
+        7, ge=0, description="Picks the held-out scenarios (dev split; the test split's too)."
+    )
+    test_scenarios: int = Field(
+        0,
+        ge=0,
+        description="Test-split scenarios (a seed space of their own) that the start and final "
+        "models and the baselines play once after the last round: the run's headline (0: none).",
+    )
     eval_initial: bool = Field(
         True,
         description="Also evaluate the initial model, before the warm start (off: one held-out "
@@ -295,6 +303,7 @@ ADDED_LATER = {
     "guide_games": 2,
     "guide_when": "always",
     "guide_rounds": None,
+    "test_scenarios": 0,
 }
 
 

@@ -46,6 +46,7 @@ from selfplay.iterate.stages import (
     prune_checkpoints,
     stages,
 )
+from selfplay.iterate.test_split import test_stage
 from selfplay.iterate.track import round_metrics, track_round
 from selfplay.tracking import open_tracker
 
@@ -65,12 +66,13 @@ def iterate(
 
 def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> Run:
     run = Run(config, force=force)  # the manifest: only this loop records into it
+    start = config.model
     if config.warm_start is not None:
         if (held := heldout_stage(config, None, config.model, run.manifest)) is not None:
             run.record_heldout(None, *held)
         if run.manifest.warm_start is None:
             run.record_warm_start(warm_start_stage(config))
-        model = run.manifest.warm_start.artifacts["model"]
+        model = start = run.manifest.warm_start.artifacts["model"]
     else:
         model = config.model
     # the held-out evaluation of a model and the next round's generate with it share a child
@@ -117,5 +119,7 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
                 run.record_heldout(k + 1, *held)
             if tracker is not None:
                 track_round(run, tracker, k)
+    if (test := test_stage(config, run.manifest, start, model)) is not None:
+        run.record_test(test)
     log.info("run %s: %d round(s) done; latest model %s", config.name, config.iterations, model)
     return run

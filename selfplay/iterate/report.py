@@ -160,7 +160,7 @@ def _heldout_table(manifest: Manifest) -> list[str]:
     held = manifest.heldout
     warm = manifest.warm_start
     md = [
-        "## Held-out evaluation",
+        "## Held-out evaluation (dev split)",
         "",
         f"Greedy games on {cfg.eval_scenarios} fixed held-out {cfg.table_size}x"
         f"{cfg.table_size} scenarios (eval seed {cfg.eval_seed}; never training "
@@ -212,6 +212,49 @@ def _heldout_table(manifest: Manifest) -> list[str]:
     return md
 
 
+def test_files(manifest: Manifest) -> tuple[Path | None, Path | None, dict[str, Path]]:
+    """The test split's games files: (final, start, baselines by name); None where absent."""
+    test = manifest.test
+    if not test:
+        return None, None, {}
+    folder = Path(next(iter(test.values())).path or "") / "games"
+    start = next((k for k in ("warm_start", "initial") if k in test), None)
+    models = {k for k in test if k in ("warm_start", "initial", "final")}
+    final = folder / f"model-{'final' if 'final' in test else start}.jsonl"
+    base = {k: folder / f"baseline-{k}.jsonl" for k in test if k not in models}
+    return final, (folder / f"model-{start}.jsonl" if start else None), base
+
+
+def _test_section(manifest: Manifest) -> list[str]:
+    """The headline: the test split's rows (played once, after the last round) and the panel of
+    what the final model learned there (``evaluate.learned``)."""
+    from selfplay.evaluate.learned import panel
+
+    cfg, test = manifest.settings, manifest.test
+    n = next(iter(test.values())).games
+    md = [
+        "## Test split (the headline)",
+        "",
+        f"Greedy games on {n} {cfg.table_size}x{cfg.table_size} scenarios of the test split "
+        f"(eval seed {cfg.eval_seed}, a seed space no round or recipe choice saw), played once "
+        "after the last round.",
+        "",
+        "| row | reward [95% CI] | agreement | questions (direct) | actions |",
+        "|---|---|---|---|---|",
+    ]
+    f = _fmt
+    for name, h in test.items():
+        md.append(
+            f"| {name} | {f(h.reward_mean)} [{f(h.reward_ci_low)}, {f(h.reward_ci_high)}] "
+            f"| {f(h.agreement_rate)} | {f(h.questions_per_game, '.2f')} "
+            f"({f(h.direct_questions_per_game, '.2f')}) | {f(h.mean_actions, '.1f')} |"
+        )
+    final, start, base = test_files(manifest)
+    if final is not None and final.name != (start.name if start else None):
+        md += ["", *panel(final, start, base, "test")]
+    return [*md, ""]
+
+
 def paired_differences(
     run_dir: Path, manifest: Manifest
 ) -> list[tuple[str, int, float, float, float]]:
@@ -219,7 +262,7 @@ def paired_differences(
     starting model's and minus each scripted baseline's, paired by scenario (95% t-interval),
     as ``selfplay compare`` pairs them (a scenario matched by id and content). A set whose
     games are not on disk, or that shares no scenario with the final model's, is left out."""
-    from selfplay.iterate.compare import CompareError, load_games, paired
+    from selfplay.evaluate.compare import CompareError, load_games, paired
 
     held = manifest.heldout
     if len(held) < 2:
@@ -331,6 +374,8 @@ def write_report(
     if scatter is not None:
         plots["reward vs questions"] = scatter
     md = [f"# Run report: {run_dir.name}", ""]
+    if manifest and manifest.test:
+        md += _test_section(manifest)
     if manifest and manifest.heldout:
         plots = {
             "held-out reward": _heldout_plot(

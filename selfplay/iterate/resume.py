@@ -134,6 +134,11 @@ class Run:
         self.save()
         self.write_metrics()
 
+    def record_test(self, rows: dict[str, HeldOut]) -> None:
+        """The test split's rows (``iterate.test_split``), played once at the end of the run."""
+        self.manifest.test = rows
+        self.save()
+
     def write_metrics(self) -> None:
         """metrics.jsonl: per finished round its games' statistics, its training, and the
         held-out results of the model it started from (``heldout``) and of the one it produced

@@ -168,21 +168,36 @@ class MatchingAdviceGame(MatchingGapsGame):
     name = "matching-advice"
     table_format = "advice"
     advice = True
+    # the scripted players that copy the advice, never asking and asking first (the panel's
+    # value of asking, ``evaluate.learned``, is advised-asker's reward minus proposer's)
+    heldout_baselines = (*MatchingGame.heldout_baselines, "advised", "advised-asker")
 
 
 MATCHING_ADVICE = MatchingAdviceGame()
 
 
-class MatchingCap2Game(MatchingGapsGame):
-    """matching-gaps where the two seats may make at most 2 proposals in all: the rejection of
-    the second ends the game with no deal (``Outcome.NO_DEAL``, reward 0), and the rules say so.
-    Proposing down one's own estimate until the partner accepts stops paying, so a seat that
-    does not know the cells its best assignment rests on has a reason to ask first (design seed
-    101, beside shy, 3x3: the best asking scripted player over ``proposer`` +0.084 [+0.024,
-    +0.144]; docs/experiments/asking-again.md)."""
+class MatchingCap2Game(MatchingGame):
+    """The matching game where the two seats may make at most 2 proposals in all: the rejection
+    of the second ends the game with no deal (``Outcome.NO_DEAL``, reward 0), and the rules say
+    so. Proposing down one's own estimate until the partner accepts stops paying, so a seat that
+    does not know the cells its best assignment rests on has a reason to ask first
+    (docs/experiments/asking-again.md)."""
 
     name = "matching-cap2"
     max_proposals = 2
 
 
 MATCHING_CAP2 = MatchingCap2Game()
+
+
+class MatchingAdviceCap2Game(MatchingAdviceGame):
+    """matching-advice with matching-cap2's rule (at most 2 proposals between the seats): the
+    advice makes a good proposal a copy, the cap makes a bad one costly, and what is left to the
+    seat is whether a question is worth asking before it proposes (docs/experiments/
+    asking-again.md: the setting chosen on design seed 101 before training)."""
+
+    name = "matching-advice-cap2"
+    max_proposals = 2
+
+
+MATCHING_ADVICE_CAP2 = MatchingAdviceCap2Game()

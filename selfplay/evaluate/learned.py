@@ -1,0 +1,147 @@
+"""What a model learned, read from held-out games: the panel every run report shows.
+
+Reward alone cannot tell a model that decides when asking pays from one that copies a scripted
+player or asks unconditionally. From the games files of one held-out split (the model's, the
+model it started from, every scripted baseline's, all on the same scenarios) the panel gives:
+
+- **paired differences**: the model's reward minus the start's and minus every baseline's,
+  paired by scenario (95% t-interval), the strongest non-asking policy (``proposer``) included;
+- **behaviour identity**: "plays like X in K of N games": games whose actions (seat, kind, text
+  or proposal) equal X's on the same scenario, for the start and every baseline;
+- **when it asks**: each scenario's value of asking (an asking scripted player's reward minus
+  ``proposer``'s there; ``ASKERS``), and the model's first decision (ask or propose) and
+  questions per game in the scenarios where asking pays against those where it does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfplay.evaluate.compare import CompareError, load_games, paired
+from selfplay.metrics import mean_ci, questions_by_seat
+from selfplay.records import GameRecord, iter_game_records
+
+PROPOSER = "proposer"  # the strongest non-asking scripted policy
+# the asking scripted policy whose gain over PROPOSER is "asking pays": the first of these among
+# the baselines (advised-asker where the game shows advice, which it copies; else inquisitive)
+ASKERS = ("advised-asker", "inquisitive")
+
+
+@dataclass(frozen=True)
+class AskingSplit:
+    """The model's asking where asking pays (``pays``) and where it does not (``not_pays``)."""
+
+    scenarios: tuple[int, int]  # (pays, does not)
+    first_asks: tuple[float, float]  # share of games whose model seat asks before proposing
+    questions: tuple[float, float]  # the model seat's questions per game
+
+
+def _by_scenario(path: Path) -> dict[str, GameRecord]:
+    return {g.scenario_id: g for g in iter_game_records(path)}
+
+
+def _moves(game: GameRecord) -> list[tuple]:
+    return [
+        (a.seat, a.kind, tuple(map(tuple, a.proposal)) if a.proposal else a.text.strip())
+        for a in game.actions
+    ]
+
+
+def identity(model: dict[str, GameRecord], other: dict[str, GameRecord]) -> tuple[int, int]:
+    """(games played action for action like ``other``, scenarios both played)."""
+    common = model.keys() & other.keys()
+    return sum(_moves(model[s]) == _moves(other[s]) for s in common), len(common)
+
+
+def _model_seat(game: GameRecord) -> int:
+    trained = [i for i, t in enumerate(game.tokens) if t is not None]
+    return trained[0] if trained else 0
+
+
+def first_asks(game: GameRecord) -> bool:
+    """Whether the model's seat asks a question before its first proposal."""
+    seat = _model_seat(game)
+    for a in game.actions:
+        if a.seat != seat or not a.valid:
+            continue
+        if a.kind == "propose":
+            return False
+        if a.kind == "message" and "?" in a.text:
+            return True
+    return False
+
+
+def asking_split(
+    model: dict[str, GameRecord], proposer: dict[str, GameRecord], asker: dict[str, GameRecord]
+) -> AskingSplit | None:
+    """The model's asking split by each scenario's value of asking (``asker`` minus
+    ``proposer``); None without scenarios common to the three."""
+    common = sorted(model.keys() & proposer.keys() & asker.keys())
+    if not common:
+        return None
+    pays = [s for s in common if asker[s].reward - proposer[s].reward > 1e-9]
+    rest = [s for s in common if s not in set(pays)]
+
+    def share(ids: list[str]) -> float:
+        return sum(first_asks(model[s]) for s in ids) / len(ids) if ids else float("nan")
+
+    def questions(ids: list[str]) -> float:
+        if not ids:
+            return float("nan")
+        return sum(questions_by_seat(model[s])[_model_seat(model[s])] for s in ids) / len(ids)
+
+    return AskingSplit(
+        (len(pays), len(rest)), (share(pays), share(rest)), (questions(pays), questions(rest))
+    )
+
+
+def panel(model: Path, start: Path | None, baselines: dict[str, Path], split: str) -> list[str]:
+    """The panel as Markdown lines, for the ``model`` games file beside ``start``'s and the
+    baselines' (name -> games file) on one held-out ``split``; sets not on disk are left out."""
+    if not model.is_file():
+        return []
+    others = {"start": start} if start is not None else {}
+    others |= {f"scripted {k}": v for k, v in sorted(baselines.items())}
+    others = {k: v for k, v in others.items() if v is not None and v.is_file()}
+    mine = load_games(model, "final")
+    games = _by_scenario(model)
+    md = [
+        f"### What the model learned ({split} split)",
+        "",
+        "| final minus | scenarios | paired difference [95% CI] | plays like it |",
+        "|---|---|---|---|",
+    ]
+    for label, path in others.items():
+        try:
+            d = paired(load_games(path, label), mine)
+        except CompareError:
+            continue
+        same, n = identity(games, _by_scenario(path))
+        md.append(
+            f"| {label} | {d.scenarios} | {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}] "
+            f"| {same} of {n} games |"
+        )
+    asker = next((a for a in ASKERS if a in baselines), None)
+    if PROPOSER in baselines and asker is not None:
+        p, a = baselines[PROPOSER], baselines[asker]
+        split_ = asking_split(games, _by_scenario(p), _by_scenario(a)) if p.is_file() else None
+        if split_ is not None and a.is_file():
+            (np_, nn), (fp, fn), (qp, qn) = split_.scenarios, split_.first_asks, split_.questions
+            md += [
+                "",
+                f"When it asks: asking pays (scripted {asker} above {PROPOSER}) in {np_} "
+                f"scenarios and not in {nn}.",
+                "",
+                "| scenarios | first decision is a question | questions per game |",
+                "|---|---|---|",
+                f"| asking pays ({np_}) | {fp:.2f} | {qp:.2f} |",
+                f"| asking does not pay ({nn}) | {fn:.2f} | {qn:.2f} |",
+            ]
+    return [*md, ""]
+
+
+def value_of_asking(proposer: Path, asker: Path) -> tuple[float, float, float]:
+    """Mean per-scenario value of asking (``asker`` minus ``proposer``) with its 95% interval."""
+    p, a = _by_scenario(proposer), _by_scenario(asker)
+    return mean_ci(a[s].reward - p[s].reward for s in sorted(p.keys() & a.keys()))

@@ -1,0 +1,90 @@
+"""The test split, played once at the end of a run: the run's start and final models and the
+game's held-out baselines on ``test_scenarios`` scenarios of the test seed space
+(``seeds.heldout_scenario_seed("test", ...)``), which no round, recipe choice or per-round curve
+ever saw. Greedy, on the run's engine, the same eval code as ``selfplay eval --split test``.
+
+Rows (``Manifest.test``): ``warm_start`` (or ``initial`` without a warm start), ``final`` (the
+model after the last round) and one per baseline (``proposer`` included); every game is kept in
+``data/RUN/test/games/<row>.jsonl``, paired by scenario across rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from selfplay.game import get_game
+from selfplay.generate.config import PlayOptions
+from selfplay.iterate.child import isolated
+from selfplay.iterate.config import IterateConfig, IterateError
+from selfplay.manifest import Manifest
+from selfplay.metrics import HeldOut
+from selfplay.players.partners import PartnerOptions
+from selfplay.records import SamplingParams
+
+log = logging.getLogger(__name__)
+
+FINAL = "final"
+
+
+def start_label(cfg: IterateConfig) -> str:
+    """The test row of the model the run started from."""
+    return "warm_start" if cfg.warm_start is not None else "initial"
+
+
+def test_models(cfg: IterateConfig, start: str, final: str) -> dict[str, str]:
+    """Row label -> model of the test split's model rows (one row when no round changed it)."""
+    return {start_label(cfg): start} if final == start else {start_label(cfg): start, FINAL: final}
+
+
+def _test_config(cfg: IterateConfig, models: dict[str, str], out: Path):
+    from selfplay.evaluate.config import EvalConfig, ModelSpec
+
+    return EvalConfig(
+        models=tuple(ModelSpec(label=label, model=m) for label, m in models.items()),
+        num_scenarios=cfg.test_scenarios,
+        seed=cfg.eval_seed,
+        split="test",
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
+        baselines=get_game(cfg.game).heldout_baselines,
+        engine=cfg.engine,
+        out=out,
+        **cfg.model_dump(include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)),
+    )
+
+
+def _test_eval(cfg: IterateConfig, models: dict[str, str], out: Path) -> dict[str, HeldOut]:
+    """In a child: every row of the test split, by label (models) or name (baselines)."""
+    import asyncio
+
+    from selfplay.evaluate.run import run_eval_async
+
+    result = asyncio.run(run_eval_async(_test_config(cfg, models, out)))
+    fields = set(HeldOut.model_fields) - {"model", "path"}
+    rows: dict[str, HeldOut] = {}
+    for row in result.rows:
+        if row.kind not in ("model", "baseline"):
+            continue
+        if row.error:
+            raise IterateError(f"test-split evaluation of {row.name} failed: {row.error}")
+        name = row.name
+        model = models.get(name, row.model or name)
+        rows[name] = HeldOut(model=model, path=str(out), **row.model_dump(include=fields))
+    return rows
+
+
+def test_stage(cfg: IterateConfig, manifest: Manifest, start: str, final: str):
+    """The test split's rows, or None when the run plays none (``test_scenarios`` 0) or played
+    it already (a finished run keeps its first test result: the split is played once)."""
+    if cfg.test_scenarios == 0 or manifest.test:
+        return None
+    out = cfg.run_dir / "test"
+    models = test_models(cfg, start, final)
+    log.info(
+        "test split: %s and %d baselines on %d scenarios (played once)",
+        ", ".join(models),
+        len(get_game(cfg.game).heldout_baselines),
+        cfg.test_scenarios,
+    )
+    rows, _ = isolated(_test_eval, cfg, models, out)
+    return rows
