@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import typer
+import typer.main
 from rich.console import Console
 
 from selfplay.convert import ConvertOptions
@@ -27,6 +28,7 @@ from selfplay.engines import (
     engine_config_class,
 )
 from selfplay.errors import UserError
+from selfplay.iterate.config import IterateConfig
 from selfplay.options import (
     EVAL,
     GENERATE,
@@ -39,6 +41,7 @@ from selfplay.options import (
     EngineOption,
     EngineUrlOption,
     LoggerOption,
+    OptionError,
     build,
     options,
 )
@@ -438,9 +441,42 @@ def convert(
     console.print(f"wrote {s.train_path}, {s.val_path}, {out / 'convert_summary.json'}")
 
 
+def _commands(ctx: typer.Context) -> dict:
+    root = ctx.find_root().command
+    return getattr(root, "commands", None) or typer.main.get_command(app).commands
+
+
+def _read_recipe(ctx: typer.Context, value: Path | None) -> Path | None:
+    """--config: the recipe's options become the command's defaults (before the others are
+    read: the option is eager), its [warm-start-sft] is kept for the command."""
+    if value is not None and not ctx.resilient_parsing:
+        from selfplay.recipe import RecipeError, load_recipe
+
+        commands = _commands(ctx)
+        try:
+            recipe = load_recipe(value, ctx.command, commands["sft"])
+        except RecipeError as e:
+            raise typer.BadParameter(str(e)) from None
+        ctx.default_map = {**(ctx.default_map or {}), **recipe.options}
+        ctx.meta[RECIPE] = recipe
+    return value
+
+
+RECIPE = "selfplay.recipe"  # where --config leaves the recipe it read (click's ctx.meta)
+
+
 @app.command("iterate")
 @options(ITERATE, HF, SGLANG, VLLM)
 def iterate_cmd(
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        is_eager=True,
+        callback=_read_recipe,
+        help="A recipe (recipes/NAME.toml: options under their flag names) or a published "
+        "run's manifest.json (to reproduce it): its options are the defaults, a flag given "
+        "here wins.",
+    ),
     model: str | None = typer.Option(
         None,
         envvar=["INITIAL_MODEL", "MODEL_NAME"],
@@ -449,6 +485,7 @@ def iterate_cmd(
     engine: EngineOption = "hf",
     engine_url: EngineUrlOption = None,
     *,
+    ctx: typer.Context,
     logger: LoggerOption = "",
     force: bool = typer.Option(False, help="Resume even though the options changed."),
     report: bool = typer.Option(True, help="Write the run report at the end."),
@@ -457,17 +494,15 @@ def iterate_cmd(
     """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
     from selfplay.iterate import iterate
     from selfplay.iterate.track import summary_line
-    from selfplay.models import resolve_model
 
     _check_engine(engine, engine_url)
-    initial = resolve_model(model)
-    cfg = build(
-        ITERATE,
-        opts,
-        model=initial,
-        engine=_engine(engine, engine_url, opts, initial),
-        loggers=tuple(x for x in logger.split(",") if x.strip()),
-    )
+    recipe = ctx.meta.get(RECIPE)
+    if recipe is not None and model is not None:
+        from selfplay.recipe import warm_start_sft
+
+        if warm_start_sft(recipe, model, ctx, _commands(ctx)["sft"]):
+            console.print(f"warm start for {config}: {model}")
+    cfg = iterate_config(ctx, model, engine, engine_url, logger, opts)
     try:
         with sigterm_as_interrupt():  # the stage's child is stopped too
             run = iterate(cfg, force=force)
@@ -482,6 +517,45 @@ def iterate_cmd(
         from selfplay.iterate.report import write_report
 
         console.print(f"report: {write_report(cfg.run_dir)}")
+
+
+def iterate_config(
+    ctx: typer.Context, model, engine, engine_url, logger, opts, resolve: bool = True
+) -> IterateConfig:
+    """`selfplay iterate`'s run config from its parsed options; an option the config refuses that
+    came from --config's file is named with the file."""
+    from selfplay.models import resolve_model
+
+    initial = resolve_model(model) if resolve else model or "embedded"
+    try:
+        return build(
+            ITERATE,
+            opts,
+            model=initial,
+            engine=_engine(engine, engine_url, opts, initial),
+            loggers=tuple(x for x in logger.split(",") if x.strip()),
+        )
+    except OptionError as e:
+        recipe = ctx.meta.get(RECIPE)
+        flag = str(e).partition(":")[0].removeprefix("--").replace("-", "_")
+        source = ctx.get_parameter_source(flag)
+        if recipe is not None and getattr(source, "name", None) == "DEFAULT_MAP":
+            raise OptionError(f"{recipe.path}: {e}") from None
+        raise
+
+
+def parse_iterate(args: list[str], resolve: bool = True) -> IterateConfig:
+    """The run config `selfplay iterate ARGS` would start, nothing run (a recipe's
+    [warm-start-sft] neither): how tests and scripts read a recipe or a manifest. ``resolve``
+    False: the model as written (``embedded`` for the default), no directory looked at."""
+    command = typer.main.get_command(app).commands["iterate"]
+    with command.make_context("iterate", list(args)) as ctx:
+        opts = {k: v for k, v in ctx.params.items() if k not in ("config", "force", "report")}
+        model, engine, url, logger = (
+            opts.pop(k) for k in ("model", "engine", "engine_url", "logger")
+        )
+        _check_engine(engine, url)
+        return iterate_config(ctx, model, engine, url, logger, opts, resolve=resolve)
 
 
 @app.command("report")
