@@ -175,7 +175,8 @@ def eval_cmd(
     human_data: Path | None = typer.Option(
         None,
         envvar="SELFPLAY_HUMAN_DATA",
-        help="DialOp optimization.jsonl for the human row (default: ../shared/dialop-data).",
+        help="DialOp optimization.jsonl for the human row, shown beside 8x8 results only "
+        "(default: the copy shipped with selfplay).",
     ),
     players: str | None = typer.Option(
         None,
