@@ -149,7 +149,7 @@ def fail(message: str) -> typer.Exit:
 # --- commands are added below, one function each -------------------------------------------
 
 
-@app.command("eval")
+@app.command("eval", short_help="Evaluate models on held-out scenarios beside baselines.")
 @options(EVAL, SGLANG, VLLM)
 def eval_cmd(
     models: list[str] = typer.Option(
@@ -289,7 +289,7 @@ def _eval_models(cfg) -> None:
         raise typer.Exit(1)
 
 
-@app.command("train")
+@app.command("train", short_help="Train the model on converted rows with verl (offline GRPO).")
 @options(TRAIN)
 def train(
     data: Path | None = typer.Option(
@@ -346,7 +346,7 @@ def train(
         console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
 
 
-@app.command("sft")
+@app.command("sft", short_help="Warm start: fine-tune on teacher or human games (SFT loss).")
 @options(SFT)
 def sft_cmd(
     model: str | None = typer.Option(
@@ -372,7 +372,7 @@ def sft_cmd(
     console.print(f"{result.rows} rows {result.sources}; model: {result.model_dir}")
 
 
-@app.command("generate")
+@app.command("generate", short_help="Play games through an engine; append them to games.jsonl.")
 @options(GENERATE, HF, SGLANG, VLLM)
 def generate(
     out: Path | None = typer.Option(
@@ -409,7 +409,7 @@ def generate(
     Console().print(summary_table(result))
 
 
-@app.command("convert")
+@app.command("convert", short_help="Turn games into GRPO training rows (train/val parquet).")
 @options(ConvertOptions)
 def convert(
     games: Path | None = typer.Option(
@@ -466,7 +466,7 @@ def _read_recipe(ctx: typer.Context, value: Path | None) -> Path | None:
 RECIPE = "selfplay.recipe"  # where --config leaves the recipe it read (click's ctx.meta)
 
 
-@app.command("iterate")
+@app.command("iterate", short_help="Run the loop: generate, convert, train, repeat (resumable).")
 @options(ITERATE, HF, SGLANG, VLLM)
 def iterate_cmd(
     config: Path | None = typer.Option(
@@ -559,7 +559,7 @@ def parse_iterate(args: list[str], resolve: bool = True) -> IterateConfig:
         return iterate_config(ctx, model, engine, url, logger, opts, resolve=resolve)
 
 
-@app.command("report")
+@app.command("report", short_help="Write a run's plots and REPORT.md from its metrics.")
 def report_cmd(
     run: str = typer.Argument(..., help="Run name (data/RUN) or a run directory."),
     data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives."),
@@ -574,7 +574,7 @@ def report_cmd(
     console.print(f"report: {write_report(run_dir, n=table_size)}")
 
 
-@app.command("compare")
+@app.command("compare", short_help="Compare held-out results side by side, paired by scenario.")
 def compare_cmd(
     held_out: list[str] = typer.Argument(
         ...,
@@ -600,3 +600,8 @@ def compare_cmd(
         for row in rows:
             table.add_row(*row)
         out.print(table)
+
+
+# `selfplay --help` lists the loop's commands in the loop's order, then the others.
+LOOP = ("generate", "convert", "train", "iterate", "sft", "eval", "report", "compare")
+app.registered_commands.sort(key=lambda c: LOOP.index(c.name) if c.name in LOOP else len(LOOP))

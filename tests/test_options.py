@@ -356,3 +356,18 @@ def test_every_option_of_a_built_command_comes_from_one_place():
         derived = {s.name(path) for s in specs for path, _, _ in s.selected()}
         assert set(_options(command)) - derived == own[command], command
         assert not own[command] & derived, command
+
+
+def test_top_help_lists_the_loop_in_its_order_with_whole_summaries():
+    """`selfplay --help`: generate, convert, train, iterate first, then sft, eval, report, compare
+    (any other after), each with its one-line summary whole at 80 columns."""
+    res = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert res.exit_code == 0
+    listed = res.output.split("Commands:\n", 1)[1].splitlines()
+    names = [line.split()[0] for line in listed if line.strip()]
+    loop = ["generate", "convert", "train", "iterate", "sft", "eval", "report", "compare"]
+    assert names[: len(loop)] == loop and len(names) == len(COMMANDS)
+    for line in listed:
+        name, summary = line.split(maxsplit=1)
+        assert summary == COMMANDS[name].short_help and summary.endswith(".")
+        assert "..." not in summary and "…" not in summary
