@@ -12,7 +12,7 @@ that follows, and (optionally) the measured tokens/s of the real stages against 
    log-prob forward + forward + backward). Decoding one token at a time is memory-bound, so the
    generate limit is an upper bound that a small batch does not reach.
 3. --stages (minutes): tokens/s of the real stages on the embedded SmolLM2-135M, as a ratio of the
-   limit (target 0.6): generate (hf engine, 64 games as a `make learn` round, prompt tokens
+   limit (target 0.6): generate (hf engine, 64 games as a round of recipes/learn.toml, prompt tokens
    prefilled + generated tokens: KV the engine reuses is not counted, so sparing prefill can
    lower this rate while games/s rise; games/s are in the notes), with a second, decode-aware
    limit beside it (below), SFT
@@ -187,7 +187,7 @@ def cpu_name() -> str:
 
 
 def stage_generate(model: str, dtype: str, tmp: Path):
-    """A short real generate stage (64 games, as a `make learn` round): its stats and engine."""
+    """A short real generate stage (64 games, a round of recipes/learn.toml): its stats, engine."""
     from bench_generate import play_hf  # (this folder: sys.path[0] when run as a script)
 
     from selfplay.engines import HFEngineConfig

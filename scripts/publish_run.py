@@ -1,8 +1,10 @@
 """Copy a finished run's report into docs/runs/NAME: REPORT.md, its plots, metrics.jsonl, the
 manifest, and the held-out games of the warm-started model and of the final model (gzip), so that
-anyone can recompute the claims without re-running.
+anyone can recompute the claims without re-running; with the run's recipe, a RECIPE note naming
+it (and what, if anything, today's recipe sets otherwise than the run had).
 
-    python scripts/publish_run.py data/ask docs/runs/ask
+    python scripts/publish_run.py data/ask docs/runs/ask [recipes/ask.toml]
+    python scripts/publish_run.py --notes   # each docs/runs/NAME with a recipes/NAME.toml
 """
 
 from __future__ import annotations
@@ -42,12 +44,64 @@ def publish(run_dir: Path, dest: Path) -> list[Path]:
     return written
 
 
+def recipe_note(recipe: Path, manifest: Path) -> str:
+    """docs/runs/NAME/RECIPE: the recipe of the run, and whether it gives the run's config (what
+    a resume compares, ``IterateConfig.identity``) or which options it sets otherwise."""
+    from selfplay.cli import parse_iterate
+
+    ours = parse_iterate(["--config", str(recipe)], resolve=False).identity()
+    theirs = parse_iterate(["--config", str(manifest)], resolve=False).identity()
+    lines = [f"recipe: {recipe.as_posix()}"]
+    changed = _changed(theirs, ours)
+    if changed:
+        changes = "; ".join(changed)
+        lines.append(f"today's recipe differs from this run in: {changes} (run -> recipe)")
+    else:
+        lines.append("it gives this run's config (the options a resume compares)")
+    lines.append(f"this run again: selfplay iterate --config {manifest.as_posix()}")
+    return "\n".join(lines) + "\n"
+
+
+def _changed(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Each option whose value differs; one an identity leaves out has the value it then stands
+    for (runs before the option existed had it)."""
+    from selfplay.iterate.config import ADDED_LATER, TRAIN_ADDED_LATER
+
+    implied = TRAIN_ADDED_LATER if prefix == "train." else ADDED_LATER
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = (d.get(key, implied.get(key, "(default)")) for d in (old, new))
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a} -> {b}")
+    return out
+
+
+def write_notes(runs: Path = Path("docs/runs"), recipes: Path = Path("recipes")) -> list[Path]:
+    written = []
+    for recipe in sorted(recipes.glob("*.toml")):
+        manifest = runs / recipe.stem / "manifest.json"
+        if manifest.is_file():
+            (manifest.parent / "RECIPE").write_text(recipe_note(recipe, manifest))
+            written.append(manifest.parent / "RECIPE")
+    return written
+
+
 def _plots(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.glob("*.png"))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if sys.argv[1:] == ["--notes"]:
+        written = write_notes()
+    elif len(sys.argv) in (3, 4):
+        written = publish(Path(sys.argv[1]), Path(sys.argv[2]))
+        if len(sys.argv) == 4:
+            note = Path(sys.argv[2]) / "RECIPE"
+            note.write_text(recipe_note(Path(sys.argv[3]), Path(sys.argv[2]) / "manifest.json"))
+            written.append(note)
+    else:
         raise SystemExit(__doc__)
-    for path in publish(Path(sys.argv[1]), Path(sys.argv[2])):
+    for path in written:
         print(path)

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import typer
+import typer.main
 from rich.console import Console
 
 from selfplay.convert import ConvertOptions
@@ -27,6 +28,7 @@ from selfplay.engines import (
     engine_config_class,
 )
 from selfplay.errors import UserError
+from selfplay.iterate.config import IterateConfig
 from selfplay.options import (
     EVAL,
     GENERATE,
@@ -39,6 +41,7 @@ from selfplay.options import (
     EngineOption,
     EngineUrlOption,
     LoggerOption,
+    OptionError,
     build,
     options,
 )
@@ -146,7 +149,7 @@ def fail(message: str) -> typer.Exit:
 # --- commands are added below, one function each -------------------------------------------
 
 
-@app.command("eval")
+@app.command("eval", short_help="Evaluate models on held-out scenarios beside baselines.")
 @options(EVAL, SGLANG, VLLM)
 def eval_cmd(
     models: list[str] = typer.Option(
@@ -172,7 +175,8 @@ def eval_cmd(
     human_data: Path | None = typer.Option(
         None,
         envvar="SELFPLAY_HUMAN_DATA",
-        help="DialOp optimization.jsonl for the human row (default: ../shared/dialop-data).",
+        help="DialOp optimization.jsonl for the human row, shown beside 8x8 results only "
+        "(default: the copy shipped with selfplay).",
     ),
     players: str | None = typer.Option(
         None,
@@ -285,7 +289,7 @@ def _eval_models(cfg) -> None:
         raise typer.Exit(1)
 
 
-@app.command("train")
+@app.command("train", short_help="Train the model on converted rows with verl (offline GRPO).")
 @options(TRAIN)
 def train(
     data: Path | None = typer.Option(
@@ -342,7 +346,7 @@ def train(
         console.print(f"verl checkpoint (resume with --resume-from): {result.checkpoint_dir}")
 
 
-@app.command("sft")
+@app.command("sft", short_help="Warm start: fine-tune on teacher or human games (SFT loss).")
 @options(SFT)
 def sft_cmd(
     model: str | None = typer.Option(
@@ -368,7 +372,7 @@ def sft_cmd(
     console.print(f"{result.rows} rows {result.sources}; model: {result.model_dir}")
 
 
-@app.command("generate")
+@app.command("generate", short_help="Play games through an engine; append them to games.jsonl.")
 @options(GENERATE, HF, SGLANG, VLLM)
 def generate(
     out: Path | None = typer.Option(
@@ -405,7 +409,7 @@ def generate(
     Console().print(summary_table(result))
 
 
-@app.command("convert")
+@app.command("convert", short_help="Turn games into GRPO training rows (train/val parquet).")
 @options(ConvertOptions)
 def convert(
     games: Path | None = typer.Option(
@@ -438,9 +442,42 @@ def convert(
     console.print(f"wrote {s.train_path}, {s.val_path}, {out / 'convert_summary.json'}")
 
 
-@app.command("iterate")
+def _commands(ctx: typer.Context) -> dict:
+    root = ctx.find_root().command
+    return getattr(root, "commands", None) or typer.main.get_command(app).commands
+
+
+def _read_recipe(ctx: typer.Context, value: Path | None) -> Path | None:
+    """--config: the recipe's options become the command's defaults (before the others are
+    read: the option is eager), its [warm-start-sft] is kept for the command."""
+    if value is not None and not ctx.resilient_parsing:
+        from selfplay.recipe import RecipeError, load_recipe
+
+        commands = _commands(ctx)
+        try:
+            recipe = load_recipe(value, ctx.command, commands["sft"])
+        except RecipeError as e:
+            raise typer.BadParameter(str(e)) from None
+        ctx.default_map = {**(ctx.default_map or {}), **recipe.options}
+        ctx.meta[RECIPE] = recipe
+    return value
+
+
+RECIPE = "selfplay.recipe"  # where --config leaves the recipe it read (click's ctx.meta)
+
+
+@app.command("iterate", short_help="Run the loop: generate, convert, train, repeat (resumable).")
 @options(ITERATE, HF, SGLANG, VLLM)
 def iterate_cmd(
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        is_eager=True,
+        callback=_read_recipe,
+        help="A recipe (recipes/NAME.toml: options under their flag names) or a published "
+        "run's manifest.json (to reproduce it): its options are the defaults, a flag given "
+        "here wins.",
+    ),
     model: str | None = typer.Option(
         None,
         envvar=["INITIAL_MODEL", "MODEL_NAME"],
@@ -449,6 +486,7 @@ def iterate_cmd(
     engine: EngineOption = "hf",
     engine_url: EngineUrlOption = None,
     *,
+    ctx: typer.Context,
     logger: LoggerOption = "",
     force: bool = typer.Option(False, help="Resume even though the options changed."),
     report: bool = typer.Option(True, help="Write the run report at the end."),
@@ -461,29 +499,26 @@ def iterate_cmd(
     **opts,
 ) -> None:
     """Generate, convert, train, repeat; resumes a killed run at its first unfinished stage."""
-    from selfplay.models import resolve_model
-
     _check_engine(engine, engine_url)
-    initial = resolve_model(model)
+    recipe = ctx.meta.get(RECIPE)
+    if recipe is not None and model is not None:
+        from selfplay.recipe import warm_start_sft
 
-    def config(**update):
-        return build(
-            ITERATE,
-            {**opts, **update},
-            model=initial,
-            engine=_engine(engine, engine_url, opts, initial),
-            loggers=tuple(x for x in logger.split(",") if x.strip()),
-        )
+        if warm_start_sft(recipe, model, ctx, _commands(ctx)["sft"]):
+            console.print(f"warm start for {config}: {model}")
+
+    def run_config(**update):
+        return iterate_config(ctx, model, engine, engine_url, logger, {**opts, **update})
 
     if seeds is None:
-        _iterate_one(config(), force, report)
+        _iterate_one(run_config(), force, report)
         return
     from selfplay.iterate.seeds import parse_seeds, seed_name, seeds_report
 
-    parent = config()  # checks the options once, before any seed starts
+    parent = run_config()  # checks the options once, before any seed starts
     for s in parse_seeds(seeds):
         console.print(f"[bold]seed {s}[/]: run {parent.name}/{seed_name(s)}")
-        cfg = config(
+        cfg = run_config(
             seed=s,
             name=seed_name(s),
             data_root=parent.data_root / parent.name,
@@ -513,7 +548,47 @@ def _iterate_one(cfg, force: bool, report: bool) -> None:
         console.print(f"report: {write_report(cfg.run_dir)}")
 
 
-@app.command("report")
+def iterate_config(
+    ctx: typer.Context, model, engine, engine_url, logger, opts, resolve: bool = True
+) -> IterateConfig:
+    """`selfplay iterate`'s run config from its parsed options; an option the config refuses that
+    came from --config's file is named with the file."""
+    from selfplay.models import resolve_model
+
+    initial = resolve_model(model) if resolve else model or "embedded"
+    try:
+        return build(
+            ITERATE,
+            opts,
+            model=initial,
+            engine=_engine(engine, engine_url, opts, initial),
+            loggers=tuple(x for x in logger.split(",") if x.strip()),
+        )
+    except OptionError as e:
+        recipe = ctx.meta.get(RECIPE)
+        flag = str(e).partition(":")[0].removeprefix("--").replace("-", "_")
+        source = ctx.get_parameter_source(flag)
+        if recipe is not None and getattr(source, "name", None) == "DEFAULT_MAP":
+            raise OptionError(f"{recipe.path}: {e}") from None
+        raise
+
+
+def parse_iterate(args: list[str], resolve: bool = True) -> IterateConfig:
+    """The run config `selfplay iterate ARGS` would start, nothing run (a recipe's
+    [warm-start-sft] neither): how tests and scripts read a recipe or a manifest. ``resolve``
+    False: the model as written (``embedded`` for the default), no directory looked at."""
+    command = typer.main.get_command(app).commands["iterate"]
+    with command.make_context("iterate", list(args)) as ctx:
+        skip = ("config", "force", "report", "seeds")
+        opts = {k: v for k, v in ctx.params.items() if k not in skip}
+        model, engine, url, logger = (
+            opts.pop(k) for k in ("model", "engine", "engine_url", "logger")
+        )
+        _check_engine(engine, url)
+        return iterate_config(ctx, model, engine, url, logger, opts, resolve=resolve)
+
+
+@app.command("report", short_help="Write a run's plots and REPORT.md from its metrics.")
 def report_cmd(
     run: str = typer.Argument(..., help="Run name (data/RUN) or a run directory."),
     data_root: Path = typer.Option(Path("data"), help="Where data/RUN lives."),
@@ -528,7 +603,7 @@ def report_cmd(
     console.print(f"report: {write_report(run_dir, n=table_size)}")
 
 
-@app.command("compare")
+@app.command("compare", short_help="Compare held-out results side by side, paired by scenario.")
 def compare_cmd(
     held_out: list[str] = typer.Argument(
         ...,
@@ -554,3 +629,8 @@ def compare_cmd(
         for row in rows:
             table.add_row(*row)
         out.print(table)
+
+
+# `selfplay --help` lists the loop's commands in the loop's order, then the others.
+LOOP = ("generate", "convert", "train", "iterate", "sft", "eval", "report", "compare")
+app.registered_commands.sort(key=lambda c: LOOP.index(c.name) if c.name in LOOP else len(LOOP))

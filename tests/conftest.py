@@ -13,8 +13,8 @@ import pytest
 # Set before any test runs, so the commands the tests start as subprocesses inherit it too.
 os.environ["SELFPLAY_NATIVE_BF16"] = "0"
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-HUMAN_GAMES = SHARED / "dialop-data" / "optimization.jsonl"
+# the DialOp human games as the package ships them (selfplay/game/matching/data)
+HUMAN_GAMES = Path(__file__).resolve().parents[1] / "selfplay/game/matching/data/optimization.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +43,7 @@ def hf_test_config(tiny_model):
 @pytest.fixture(scope="session")
 def human_games() -> list[dict]:
     if not HUMAN_GAMES.exists():
-        pytest.skip("../shared/dialop-data is not beside the project")
+        pytest.fail(f"{HUMAN_GAMES} is missing: the package ships the DialOp human games")
     return [json.loads(line) for line in HUMAN_GAMES.read_text().splitlines() if line.strip()]
 
 

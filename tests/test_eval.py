@@ -132,6 +132,35 @@ def test_human_reference_from_the_data(human_games, monkeypatch):
     assert "computed from 134 human games" in row.source
 
 
+def test_the_human_games_ship_with_the_package(tmp_path, monkeypatch):
+    """The default is the packaged copy (with its licence), whatever lies beside the project: the
+    reference loads with no ../shared folder; `sft --human-data packaged` reads the same file."""
+    import selfplay
+    from selfplay.iterate.sft import SFTConfig
+
+    monkeypatch.delenv("SELFPLAY_HUMAN_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing of the repository around
+    default = MATCHING.human.default_path
+    package = Path(selfplay.__file__).resolve().parent
+    assert default.is_relative_to(package) and "shared" not in default.parts
+    assert (
+        (default.parent / "LICENSE.md")
+        .read_text()
+        .startswith("# Community Data License Agreement - Permissive - Version 2.0")
+    )
+    row = human_reference(MATCHING)
+    assert row.games == 134 and f"computed from 134 human games in {default}" in row.source
+    assert row.name == "humans (8x8)" and MATCHING.human.table_size == 8
+    cfg = SFTConfig(model="m", out=tmp_path / "m", human_data="packaged")
+    assert cfg.human_data == default
+
+
+def test_the_human_row_compares_only_with_its_table_size():
+    from selfplay.evaluate.human import comparable
+
+    assert comparable(MATCHING, 8) and not comparable(MATCHING, 3)
+
+
 def test_human_reference_without_data_is_the_stored_constant(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFPLAY_HUMAN_DATA", str(tmp_path / "missing.jsonl"))
     row = human_reference(MATCHING)
@@ -257,8 +286,7 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
         ("cooperative", "baseline"),
         ("no-talk", "baseline"),
         ("random", "baseline"),
-        ("human", "human"),
-    ]
+    ]  # no human row: the humans played 8x8 tables, not 3x3
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
     model = data["rows"][0]
@@ -271,7 +299,7 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     assert coop["agreement_rate"] > 0 and coop["reward_mean"] > 0.3
     assert coop["invalid_action_rate"] == 0.0
     md = (out / "eval.md").read_text()
-    assert "| human (human) |" in md and "reward [95% CI]" in md and "![reward](reward.png)" in md
+    assert "human" not in md and "reward [95% CI]" in md and "![reward](reward.png)" in md
     assert (out / "reward.png").stat().st_size > 1000
     assert not (out / "cross_play.png").exists()
     assert "held-out scenarios" in output and "eval.json" in output  # table and files
@@ -373,12 +401,13 @@ def test_a_model_that_cannot_load_is_named_and_the_rest_still_run(tiny_model, tm
 def test_every_model_failing_exits_1_after_writing_the_rest(tmp_path):
     out = tmp_path / "ev"
     code, _ = _eval(
-        "--models", str(tmp_path / "nope"), "--num-scenarios", "2", "--table-size", "3",
+        "--models", str(tmp_path / "nope"), "--num-scenarios", "2", "--table-size", "8",
         "--baselines", "no-talk", "--out", str(out),
     )  # fmt: skip
     assert code == 1
     result = _load(out)
-    assert result.row("no-talk").games == 2 and result.row("human").reward_mean is not None
+    # 8x8, the humans' size: their row is there, named with it
+    assert result.row("no-talk").games == 2 and result.row("humans (8x8)").reward_mean > 0.9
     assert "nope" in result.row(str(tmp_path / "nope")).error
 
 

@@ -41,6 +41,7 @@ FLOORS = (
     ("evaluate",),
     ("iterate",),
     ("options",),  # the face: which config fields each command takes
+    ("recipe",),  # a command's options read from a file (--config)
     ("cli",),
     ("__main__",),
 )

@@ -387,7 +387,8 @@ def test_trackers_get_training_steps_and_round_metrics(reference_run):
 
 def test_changed_configuration_error_shows_a_left_out_setting_as_its_default(tmp_path):
     """A setting that a run's identity leaves out while it has its default (added later) shows as
-    that default, not None: what `make demo` says when DEMO_ARGS changed under an old data/demo."""
+    that default, not None: what `make demo` says when recipes/demo.toml changed under an old
+    data/demo."""
     from selfplay.iterate.config import IterateConfig, IterateError
     from selfplay.iterate.resume import Run
     from selfplay.manifest import StageRecord

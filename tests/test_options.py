@@ -345,7 +345,7 @@ def test_every_option_of_a_built_command_comes_from_one_place():
     # a command's own parameter would shadow a field's option: only CLI-only ones are its own
     own = {
         "generate": {"out", "model", "engine", "engine_url"},
-        "iterate": {"model", "engine", "engine_url", "logger", "force", "report"},
+        "iterate": {"config", "model", "engine", "engine_url", "logger", "force", "report"},
         "train": {"data", "model", "out", "logger"},
         "sft": {"model", "logger"},
         "convert": {"games", "out", "validate_records"},
@@ -358,37 +358,16 @@ def test_every_option_of_a_built_command_comes_from_one_place():
         assert not own[command] & derived, command
 
 
-def _makefile_recipes() -> dict[str, list[str]]:
-    """The Makefile's ``NAME_ARGS ?= ...`` variables (continuation lines joined), each split as
-    make passes it to `selfplay iterate`."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    text = (Path(__file__).parents[1] / "Makefile").read_text().replace("\\\n", " ")
-    found = re.finditer(r"^(\w+_ARGS) \?= (.*)$", text, re.MULTILINE)
-    return {m.group(1): shlex.split(m.group(2)) for m in found}
-
-
-@pytest.mark.parametrize("name", sorted(_makefile_recipes()))
-def test_every_makefile_recipe_builds_an_iterate_config(name, monkeypatch, tmp_path):
-    """`make demo` and the experiment targets pass their arguments to `selfplay iterate`: each must
-    be accepted, and its --name must be the run's name (a typo would fail only when run). A
-    recipe that starts from another run's checkpoint (--model DIR) finds a DIR with a config."""
-    args = _makefile_recipes()[name]
-    monkeypatch.chdir(tmp_path)
-    if "--model" in args:
-        model = tmp_path / args[args.index("--model") + 1]
-        model.mkdir(parents=True)
-        (model / "config.json").write_text('{"model_type": "llama"}')
-    seen = _capture(monkeypatch)
-    res = CliRunner().invoke(app, ["iterate", "--model", "m", *args])
-    cfg = seen.get("iterate")
-    assert cfg is not None, res.output
-    assert cfg.name == args[args.index("--name") + 1]
-
-
-def test_the_demo_recipe_is_the_one_readme_times():
-    args = _makefile_recipes()["DEMO_ARGS"]
-    assert "--dtype" not in args  # the dtype rule picks per machine (bf16 only where native)
-    assert args[args.index("--old-log-probs") + 1] == "rollout"
+def test_top_help_lists_the_loop_in_its_order_with_whole_summaries():
+    """`selfplay --help`: generate, convert, train, iterate first, then sft, eval, report, compare
+    (any other after), each with its one-line summary whole at 80 columns."""
+    res = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert res.exit_code == 0
+    listed = res.output.split("Commands:\n", 1)[1].splitlines()
+    names = [line.split()[0] for line in listed if line.strip()]
+    loop = ["generate", "convert", "train", "iterate", "sft", "eval", "report", "compare"]
+    assert names[: len(loop)] == loop and len(names) == len(COMMANDS)
+    for line in listed:
+        name, summary = line.split(maxsplit=1)
+        assert summary == COMMANDS[name].short_help and summary.endswith(".")
+        assert "..." not in summary and "…" not in summary

@@ -28,7 +28,8 @@ def test_report_from_a_run_directory(tmp_path):
     out = write_report(run, n=3, baselines=baselines)
     text = out.read_text()
     assert text.count("\n| 0 |") == 1 and text.count("\n| 1 |") == 1
-    assert "human reference 0.921" in text
+    # the humans played 8x8 tables: named with their size, not a line beside a 3x3 run
+    assert "humans (8x8) reference 0.921 (134 games), on 8x8 tables: not drawn beside 3x3." in text
     for name in ("reward", "agreement", "actions", "invalid", "questions", "reward_vs_questions"):
         png = run / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -134,8 +134,8 @@ class EvalConfig(PartnerOptions, PlayOptions):
     dtype: ComputeDtype = "auto"
     human_data: Path | None = Field(
         None,
-        description="DialOp optimization.jsonl for the human row (default: $SELFPLAY_HUMAN_DATA, "
-        "else ../shared/dialop-data).",
+        description="DialOp optimization.jsonl for the human row, shown beside 8x8 results only "
+        "(default: $SELFPLAY_HUMAN_DATA, else the copy shipped with selfplay).",
     )
     out: Path | None = Field(
         None,
@@ -166,8 +166,8 @@ class EvalConfig(PartnerOptions, PlayOptions):
         # a stored eval.json names the file it was run with; reading it back needs no file
         if v is not None and not (info.context or {}).get(STORED) and not v.is_file():
             raise ValueError(
-                f"{v} does not exist; point it at dialop-data/optimization.jsonl or leave it "
-                "unset to use the stored human reference"
+                f"{v} does not exist; point it at DialOp's optimization.jsonl or leave it "
+                "unset to use the copy shipped with selfplay"
             )
         return v
 

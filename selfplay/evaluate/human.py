@@ -20,13 +20,15 @@ def human_reference(game: DialogueGame, path: str | Path | None = None) -> EvalR
     human games when found, else their stored mean.
 
     ``path`` None: $SELFPLAY_HUMAN_DATA, else the game's default (matching: DialOp's
-    optimization.jsonl in ../shared/dialop-data beside the repository).
+    optimization.jsonl, shipped in selfplay/game/matching/data). The row is named with the size
+    of the tables the humans played (``humans (8x8)``): it compares with results of that size
+    only (``comparable``).
     """
     human = game.human
     if human is None:
         return None
     file = Path(path or os.environ.get(HUMAN_DATA_ENV) or human.default_path)
-    base = {"name": "human", "kind": "human", "seat1": "human", "seat2": "human"}
+    base = {"name": human_label(game), "kind": "human", "seat1": "human", "seat2": "human"}
     if not file.is_file():
         return EvalRow(
             **base,
@@ -61,3 +63,15 @@ def human_reference(game: DialogueGame, path: str | Path | None = None) -> EvalR
         source=f"computed from {len(games)} human games in {file} ({human.source}); "
         "actions count messages, proposals and responses",
     )
+
+
+def human_label(game: DialogueGame) -> str:
+    """The human row's name, with the size of the tables they played: ``humans (8x8)``."""
+    n = game.human.table_size if game.human is not None else 0
+    return f"humans ({n}x{n})"
+
+
+def comparable(game: DialogueGame, table_size: int) -> bool:
+    """Whether the game's human games were played on tables of this size (their row is shown
+    beside results of that size only)."""
+    return game.human is not None and game.human.table_size == table_size

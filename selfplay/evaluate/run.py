@@ -18,8 +18,9 @@ and seating as ``selfplay generate`` (``rollout.play_many``, ``rollout.seating``
   cross-play reward (a gap that widens across rounds means private conventions).
 
 For a game with recorded human games (``DialogueGame.human``; matching: the 134 DialOp games) it
-adds the human reference row (computed from the file when found, else the stored mean with its
-source) and returns an ``EvalResult`` whose ``rows`` are the table.
+adds the human reference row, named with the size of the humans' tables (``humans (8x8)``) and
+only when the evaluation plays that size (computed from the file when found, else the stored mean
+with its source), and returns an ``EvalResult`` whose ``rows`` are the table.
 Each row is built from ``metrics.summarize`` key by key (``summary_fields``): a summary key the row
 neither has nor leaves out on purpose (``NOT_IN_ROW``) is an error, never a silent drop.
 
@@ -68,7 +69,7 @@ from selfplay.evaluate.config import (
     ModelSpec,
     summary_fields,
 )
-from selfplay.evaluate.human import human_reference
+from selfplay.evaluate.human import comparable, human_reference
 from selfplay.game import get_game
 from selfplay.generate.rollout import (
     GameSpec,
@@ -301,9 +302,15 @@ async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) ->
         for lm in kept:
             await lm.engine.aclose()
         await ev.aclose()
-    human = human_reference(get_game(config.game), config.human_data)
-    if human is not None:  # the game has recorded human games
-        rows.append(human)
+    game = get_game(config.game)
+    if comparable(game, config.table_size):  # humans played this size: their row compares
+        rows.append(human_reference(game, config.human_data))
+    elif game.human is not None:
+        log.info(
+            "eval: no human row: humans played %sx%s tables, this evaluation %sx%s",
+            *(game.human.table_size,) * 2,
+            *(config.table_size,) * 2,
+        )
     result = EvalResult(
         config=config,
         scenario_seeds=ev.seeds,

@@ -184,7 +184,8 @@ class HumanData(Protocol):
     """A game's recorded human games: read for the human reference row (``outcomes``) and replayed
     as behaviour-cloning rows (``replays``)."""
 
-    default_path: Path  # where they are looked for when no path is given
+    default_path: Path  # where they are looked for when no path is given (shipped with the game)
+    table_size: int  # the size of the tables they were played on: comparable with that size only
     reference: float  # their mean reward, stored for when the file is missing
     reference_games: int  # how many games that mean is over
     source: str  # what the reference is, with its citation

@@ -18,6 +18,7 @@ import orjson
 from pydantic import ValidationError
 
 from selfplay.errors import UserError
+from selfplay.evaluate.human import comparable, human_label
 from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
 from selfplay.game import DEFAULT_GAME, DialogueGame, get_game
@@ -343,8 +344,8 @@ def write_report(
     if baselines is None:
         baselines = baseline_rewards(game, n)
     lines = {f"scripted {k}": v for k, v in baselines.items()}
-    if game.human is not None:
-        lines["human"] = game.human.reference
+    if comparable(game, n):  # humans played tables of this size only
+        lines[human_label(game)] = game.human.reference
     plots = {
         "reward": _line_plot(
             rows,
@@ -423,11 +424,7 @@ def write_report(
     md.append(
         f"Baselines ({where}): "
         + ", ".join(f"{k} {v:.3f}" for k, v in baselines.items())
-        + (
-            f"; human reference {game.human.reference} ({game.human.reference_games} human games)."
-            if game.human is not None
-            else "."
-        )
+        + _human_note(game, n)
     )
     md.append("")
     for name, path in plots.items():
@@ -437,3 +434,16 @@ def write_report(
     out.write_text("\n".join(md))
     log.info("wrote %s and %d plots", out, len(plots))
     return out
+
+
+def _human_note(game: DialogueGame, n: int) -> str:
+    """The human reference after the baselines, with the size of the tables they played (on a
+    table of another size it is no line of the plots)."""
+    human = game.human
+    if human is None:
+        return "."
+    k = human.table_size
+    note = f"; {human_label(game)} reference {human.reference} ({human.reference_games} games)"
+    if comparable(game, n):
+        return note + "."
+    return note + f", on {k}x{k} tables: not drawn beside {n}x{n}."

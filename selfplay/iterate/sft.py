@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
+from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of, get_game
 from selfplay.generate.config import SIZE_HELP, size_of_the_game
 from selfplay.generate.teacher import (
     HumanReplay,
@@ -68,6 +68,9 @@ DATA_DIR = "sft_data"
 
 class SFTError(UserError, ValueError):
     """The SFT sources or options cannot give rows to train on; says what to do."""
+
+
+PACKAGED = "packaged"  # --human-data: the game's own human games, shipped with selfplay
 
 
 class SFTConfig(BaseModel):
@@ -105,7 +108,8 @@ class SFTConfig(BaseModel):
     human_data: Path | None = Field(
         None,
         description="Clone both seats of the game's human games (matching: DialOp's "
-        "optimization.jsonl, 8x8), replayed through our rules (the game's rendering policy).",
+        "optimization.jsonl, 8x8), replayed through our rules (the game's rendering policy): "
+        "a file, or 'packaged' for the copy shipped with selfplay.",
     )
     seed: int = Field(
         0, ge=0, description="Seed: the teacher games' scenarios and the row order derive from it."
@@ -127,6 +131,15 @@ class SFTConfig(BaseModel):
     @classmethod
     def _size(cls, size: int, info: ValidationInfo) -> int:
         return size_of_the_game(size, info)
+
+    @field_validator("human_data")
+    @classmethod
+    def _packaged(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        """'packaged': the game's human games as shipped with selfplay."""
+        game = game_of(info)
+        if v is not None and str(v) == PACKAGED and game is not None and game.human is not None:
+            return game.human.default_path
+        return v
 
     @model_validator(mode="after")
     def _sources(self) -> SFTConfig:

@@ -87,7 +87,10 @@ def human_turns(game: dict, n: int = 8) -> tuple[list[tuple[int, str]], str | No
 
 def load_human_games(path: Path) -> list[dict]:
     if not path.is_file():
-        raise HumanDataError(f"--human-data {path} does not exist (dialop-data/optimization.jsonl)")
+        raise HumanDataError(
+            f"--human-data {path} does not exist (DialOp's optimization.jsonl; leave the option "
+            "out for the copy shipped with selfplay)"
+        )
     try:
         return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
     except orjson.JSONDecodeError as e:
@@ -97,10 +100,9 @@ def load_human_games(path: Path) -> list[dict]:
 class MatchingHumanGames:
     """The DialOp human games (``dialop-data/optimization.jsonl``, 8x8) behind ``api.HumanData``."""
 
-    # ../shared/dialop-data beside the repository (where tests/conftest.py finds them too)
-    default_path = (
-        Path(__file__).resolve().parents[4] / "shared" / "dialop-data" / "optimization.jsonl"
-    )
+    # shipped with the package (CDLA-Permissive-2.0: LICENSE.md beside it)
+    default_path = Path(__file__).resolve().parent / "data" / "optimization.jsonl"
+    table_size = 8  # every game was played on an 8x8 table
     reference = 0.921  # mean normalised reward of the 134 games
     reference_games = 134
     source = (
