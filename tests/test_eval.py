@@ -285,6 +285,7 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
         (str(tiny_model), "model"),
         ("cooperative", "baseline"),
         ("no-talk", "baseline"),
+        ("proposer", "baseline"),
         ("random", "baseline"),
     ]  # no human row: the humans played 8x8 tables, not 3x3
     for row in data["rows"]:

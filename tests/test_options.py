@@ -278,7 +278,7 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
         "ei_invalid_turns",
         "guide",
         "guide_games",
-        "guide_when", "guide_rounds", "warm_start_partner",
+        "guide_when", "guide_rounds", "warm_start_partner", "test_scenarios",
     }  # fmt: skip
     assert set(dump["train"]) == {
         "lr", "batch_size", "mini_batch_size", "updates_per_round", "micro_batch_size",
@@ -345,7 +345,8 @@ def test_every_option_of_a_built_command_comes_from_one_place():
     # a command's own parameter would shadow a field's option: only CLI-only ones are its own
     own = {
         "generate": {"out", "model", "engine", "engine_url"},
-        "iterate": {"config", "model", "engine", "engine_url", "logger", "force", "report"},
+        "iterate": {"config", "model", "engine", "engine_url", "logger", "force", "report",
+                    "seeds"},
         "train": {"data", "model", "out", "logger"},
         "sft": {"model", "logger"},
         "convert": {"games", "out", "validate_records"},
