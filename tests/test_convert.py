@@ -154,10 +154,10 @@ def test_golden_conversion_of_a_small_file(tmp_path):
         ("a2", 1),
     ]
     row = train[1]  # a1, seat 1
-    gid = group_id("A/r0")
+    gid = group_id("matching-3x3/A/r0")
     assert row == {
         "group_id": gid,
-        "group_key": "A/r0",
+        "group_key": "matching-3x3/A/r0",
         "game_id": "a1",
         "scenario_id": "A",
         "seat": 1,
@@ -529,7 +529,8 @@ def test_scenario_seat_keeps_the_seats_apart(tmp_path):
     records = [game("a1", "A", 0.5), game("a2", "A", 1.0), game("a3", "A", 0.0)]
     s, train, _ = run(tmp_path, records, group_by="scenario-seat")
     keys = {r["group_key"]: r["group_id"] for r in train}
-    assert keys == {"A/r0/seat0": group_id("A/r0/seat0"), "A/r0/seat1": group_id("A/r0/seat1")}
+    k0, k1 = "matching-3x3/A/r0/seat0", "matching-3x3/A/r0/seat1"
+    assert keys == {k0: group_id(k0), k1: group_id(k1)}
     for r in train:
         assert r["group_key"].endswith(f"seat{r['seat']}")
     assert s.groups_written == 2
@@ -538,7 +539,7 @@ def test_scenario_seat_keeps_the_seats_apart(tmp_path):
 def test_rounds_are_separate_groups(tmp_path):
     records = [game(f"g{i}", "A", i / 3, round=i % 2) for i in range(4)]
     _, train, _ = run(tmp_path, records)
-    assert {r["group_key"] for r in train} == {"A/r0", "A/r1"}
+    assert {r["group_key"] for r in train} == {"matching-3x3/A/r0", "matching-3x3/A/r1"}
 
 
 def test_fixed_partner_gives_rows_for_the_trained_seat_only(tmp_path):
@@ -640,7 +641,7 @@ def test_every_written_group_carries_a_signal(games, group_by, keep, val_fractio
     for r in records:
         for seat in (0, 1):
             if r.seats[seat].trained:
-                key = f"{r.scenario_id}/r{r.round}" + (
+                key = f"matching-3x3/{r.scenario_id}/r{r.round}" + (
                     f"/seat{seat}" if group_by == "scenario-seat" else ""
                 )
                 expected[key].append(r.reward)
@@ -651,7 +652,7 @@ def test_every_written_group_carries_a_signal(games, group_by, keep, val_fractio
             s, train, val = run(Path(d), records, **cfg)
         except ConvertError:
             # nothing to write, or everything in validation: both are reported, never silent
-            assert not kept or all(is_val_scenario(k.split("/")[0], val_fraction) for k in kept)
+            assert not kept or all(is_val_scenario(k.split("/")[1], val_fraction) for k in kept)
             return
     groups: dict[int, list[dict]] = defaultdict(list)
     for row in train + val:
@@ -701,7 +702,7 @@ def test_group_ids_are_deterministic(tmp_path):
         (r["group_id"], r["game_id"], r["seat"]) for r in b
     ]
     assert {r["group_id"]: r["scenario_id"] for r in a} == {
-        group_id(f"s{i}/r0"): f"s{i}" for i in range(5)
+        group_id(f"matching-3x3/s{i}/r0"): f"s{i}" for i in range(5)
     }
     _, c, _ = run(tmp_path / "c", records[::-1])  # another file order: the same ids
     assert sorted((r["group_id"], r["game_id"], r["seat"]) for r in c) == sorted(
@@ -970,3 +971,23 @@ def test_gzipped_games_read_like_the_plain_file(tmp_path):
     assert list(iter_game_records(packed, report)) == list(iter_game_records(plain))
     assert [g.game_id for g in iter_game_records(packed)] == ["a1", "a2", "b1"]
     assert [line for line, _ in report.skipped] == [2]
+
+
+def test_games_of_two_sizes_or_games_never_share_a_group_and_a_repeated_game_is_skipped(tmp_path):
+    """One seed draws scenario A at 3x3 and at 4x4, and in matching and matching-advice: the
+    four are four groups, each keyed by its game and size; a game id read twice is skipped with
+    a warning naming the first line (it would count twice in its group)."""
+    from selfplay.game import generate_scenario
+
+    big = generate_scenario(1, 4).model_copy(update={"id": "A"})
+    records = [game("a1", "A", 0.2), game("a2", "A", 0.8)]
+    records += [game("b1", "A", 0.1).model_copy(update={"scenario": big})]
+    records += [game("b2", "A", 0.9).model_copy(update={"scenario": big})]
+    records += [game(f"c{i}", "A", i / 2).model_copy(update={"game": "matching-advice"})
+                for i in range(2)]  # fmt: skip
+    records += [game("a1", "A", 0.2)]
+    s, train, _ = run(tmp_path, records)
+    keys = {r["group_key"] for r in train}
+    assert keys == {"matching-3x3/A/r0", "matching-4x4/A/r0", "matching-advice-3x3/A/r0"}
+    assert s.lines_skipped == 1 and "a1 repeats line 1" in s.skipped[0][1]
+    assert sorted(r["game_id"] for r in train).count("a1") == 2  # its two seats, once

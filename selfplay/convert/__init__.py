@@ -181,6 +181,7 @@ class _Pass1:
         self.config, self.summary, self.out = config, summary, out
         self.groups = Groups(config.val_fraction, config.keep_degenerate)
         self.fingerprints: set[str] = set()
+        self.seen: dict[str, int] = {}  # game id -> the line it was first read from
 
     def skip(self, lineno: int, reason: str) -> None:
         s = self.summary
@@ -222,6 +223,10 @@ class _Pass1:
                     record_rows = rows_of_json(obj, config)
                 except BadRecord as e:
                     self.skip(lineno, f"invalid record: {e}")
+                    continue
+                first = self.seen.setdefault(record_rows.game_id, lineno)
+                if first != lineno:  # the same game twice would count twice in its group
+                    self.skip(lineno, f"game id {record_rows.game_id} repeats line {first}")
                     continue
                 _count(self.summary, record_rows)
                 self.route(record_rows.rows)

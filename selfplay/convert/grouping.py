@@ -29,10 +29,20 @@ def group_id(key: str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def group_key(group_by: GroupBy, scenario_id: str, round: int, seat: int) -> str:
-    """The readable group key. The round is part of it: one group = one policy on one scenario."""
-    key = f"{scenario_id}/r{round}"
+def group_key(
+    group_by: GroupBy, scenario_id: str, round: int, seat: int, kind: str = ""
+) -> str:
+    """The readable group key. The round is part of it: one group = one policy on one scenario.
+    ``kind`` (``game_kind``: the game and its table size) leads it, so games of two games or
+    sizes drawn with one seed (the same scenario id) never share a group."""
+    key = f"{kind}/{scenario_id}/r{round}" if kind else f"{scenario_id}/r{round}"
     return key + f"/seat{seat}" if group_by is GroupBy.SCENARIO_SEAT else key
+
+
+def game_kind(game: str, scenario: object) -> str:
+    """``matching-3x3``: a record's game and, where its scenario has one (``n``), table size."""
+    n = scenario.get("n") if isinstance(scenario, dict) else getattr(scenario, "n", None)
+    return f"{game}-{n}x{n}" if isinstance(n, int) else game
 
 
 def _f32(x: float) -> float:

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from selfplay.convert.config import ConvertConfig
-from selfplay.convert.grouping import group_key
+from selfplay.convert.grouping import game_kind, group_key
 from selfplay.records import GameRecord, SeatTokens, known_game
 from selfplay.seats import SeatConfig
 
@@ -66,6 +66,7 @@ class RecordRows(NamedTuple):
     no_tokens: int  # trained seats without recorded tokens
     no_own: int  # trained seats that never generated a token: no row
     too_long: int  # rows over max_length: dropped
+    game_id: str = ""
 
 
 class _Game(NamedTuple):
@@ -77,6 +78,7 @@ class _Game(NamedTuple):
     reward: float
     outcome: str
     offender: int | None  # the seat that gets -invalid_penalty instead of the reward
+    kind: str = ""  # grouping.game_kind: the game and its table size
 
 
 class _SeatLists(NamedTuple):
@@ -108,7 +110,8 @@ def rows_of_json(obj: dict, config: ConvertConfig) -> RecordRows:
     them all, ConvertConfig.validate_records puts it in front)."""
     game_id = _need(obj, "game_id", str)
     scenario_id = _need(obj, "scenario_id", str)
-    if known_game(obj) is None:
+    name = known_game(obj)
+    if name is None:
         raise BadRecord(f"game {obj.get('game')!r} is not a game this selfplay knows")
     rnd = obj.get("round", 0)
     if not isinstance(rnd, int) or isinstance(rnd, bool):
@@ -123,7 +126,8 @@ def rows_of_json(obj: dict, config: ConvertConfig) -> RecordRows:
         actions = obj.get("actions")
         if isinstance(actions, list) and actions and isinstance(actions[-1], dict):
             offender = _offender(actions[-1].get("seat"))
-    game = _Game(game_id, scenario_id, rnd, reward, str(obj.get("outcome")), offender)
+    kind = game_kind(name, obj.get("scenario"))
+    game = _Game(game_id, scenario_id, rnd, reward, str(obj.get("outcome")), offender, kind)
     return _rows(game, _json_seats(seats, tokens), config, from_json=True)
 
 
@@ -140,6 +144,7 @@ def rows_of_record(record: GameRecord, config: ConvertConfig) -> RecordRows:
         _finite(record.reward),
         str(record.outcome),
         offender,
+        game_kind(record.game, record.scenario),
     )
     seats = (
         (seat, _seat_lists(t, record.seats[seat]))
@@ -252,7 +257,7 @@ def _rows(
             too_long += 1
         else:
             rows.append(row)
-    return RecordRows(rows, game.outcome, no_tokens, no_own, too_long)
+    return RecordRows(rows, game.outcome, no_tokens, no_own, too_long, game.game_id)
 
 
 def _cut(
@@ -309,7 +314,7 @@ def _cut(
     if end > config.max_length:
         return _Drop.TOO_LONG
     return Row(
-        group_key=group_key(config.group_by, game.scenario_id, game.round, seat),
+        group_key=group_key(config.group_by, game.scenario_id, game.round, seat, game.kind),
         game_id=game.game_id,
         scenario_id=game.scenario_id,
         seat=seat,
