@@ -294,3 +294,35 @@ def test_convert_skips_a_record_of_a_game_it_does_not_know(tmp_path):
     summary = convert(ConvertConfig(games=games, out=tmp_path))
     assert summary.games_read == 2 and summary.lines_skipped == 1
     assert "'chess' is not a game this selfplay knows" in summary.skipped[0][1]
+
+
+# --- planted links: an output path that is a symbolic link is refused, never written through ---
+
+
+def test_a_link_planted_at_an_output_is_refused_and_its_target_untouched(tiny_model, tmp_path):
+    """OUT/games.jsonl a dangling link or a link to an empty file: generate refuses at once,
+    naming the path; the target is neither created nor written, the link is not replaced. The
+    library's other writers (atomic files, appended lines) refuse a link the same way."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "empty.jsonl").touch()
+    for target in (elsewhere / "missing.jsonl", elsewhere / "empty.jsonl"):
+        out = tmp_path / f"out-{target.stem}"
+        out.mkdir()
+        (out / "games.jsonl").symlink_to(target)
+        res = subprocess.run(_generate_cmd(out, tiny_model, 4, 4), env=_env(), capture_output=True)
+        err = res.stderr.decode()
+        assert res.returncode == 1, err[-3000:]
+        assert f"{out / 'games.jsonl'} is a symbolic link" in err and "Traceback" not in err, err
+        assert (out / "games.jsonl").is_symlink()
+    assert not (elsewhere / "missing.jsonl").exists()
+    assert (elsewhere / "empty.jsonl").read_bytes() == b""
+    from selfplay.fileio import LinkRefused, atomic_write, open_output
+
+    link = tmp_path / "manifest.json"
+    link.symlink_to(elsewhere / "empty.jsonl")
+    with pytest.raises(LinkRefused, match=r"manifest\.json is a symbolic link"):
+        atomic_write(link, "{}")
+    with pytest.raises(LinkRefused, match=r"manifest\.json is a symbolic link"):
+        open_output(link, "ab")
+    assert link.is_symlink() and (elsewhere / "empty.jsonl").read_bytes() == b""

@@ -122,7 +122,14 @@ class ServerEngine:
             fd, name = tempfile.mkstemp(prefix=f"{self.LABEL.lower()}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self._log_file = self.log_path.open("ab")
+        try:  # never through a link planted at the log's path (O_NOFOLLOW)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+            self._log_file = os.fdopen(os.open(self.log_path, flags, 0o644), "ab")
+        except OSError as e:
+            raise EngineFailure(
+                f"cannot write the {self.LABEL} server's log {self.log_path} ({e.strerror}; a "
+                "symbolic link there is refused): remove it, or choose another log path"
+            ) from None
         cmd = self.command()
         log.info("launching %s: %s (log: %s)", self.LABEL, " ".join(cmd), self.log_path)
         try:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from selfplay.errors import UserError
 from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
+from selfplay.fileio import atomic_write
 from selfplay.game import DEFAULT_GAME, DialogueGame, get_game
 from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
@@ -389,6 +390,6 @@ def write_report(
         md.append(f"![{name}]({path.name})")
         md.append("")
     out = run_dir / "REPORT.md"
-    out.write_text("\n".join(md))
+    atomic_write(out, "\n".join(md))
     log.info("wrote %s and %d plots", out, len(plots))
     return out

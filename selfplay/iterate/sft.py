@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
+from selfplay.fileio import refuse_link
 from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
 from selfplay.generate.config import SIZE_HELP, size_of_the_game
 from selfplay.generate.teacher import (
@@ -224,7 +225,7 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
             f"the sources gave {table.num_rows} rows ({sources}), fewer than one mini-batch of "
             f"{config.mini_batch_size}; add games, lower --min-reward or --mini-batch-size"
         )
-    path = data / "rows.parquet"
+    path = refuse_link(data / "rows.parquet")
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd")
     tmp.replace(path)
