@@ -79,6 +79,9 @@ class Manifest(BaseModel):
     baselines: dict[str, HeldOut] = {}  # scripted pairs on the same held-out scenarios
     rounds: dict[int, RoundRecord] = {}
     tracker_step: int = 0  # the last step sent to the experiment trackers (steps only grow)
+    # output folders a stage of this run began to write and has not finished (resolved paths):
+    # the only folders a resume may remove; anything else in a stage's way is refused
+    unfinished: list[str] = []
 
     @property
     def settings(self) -> RunSettings:

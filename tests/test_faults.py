@@ -326,3 +326,62 @@ def test_a_link_planted_at_an_output_is_refused_and_its_target_untouched(tiny_mo
     with pytest.raises(LinkRefused, match=r"manifest\.json is a symbolic link"):
         open_output(link, "ab")
     assert link.is_symlink() and (elsewhere / "empty.jsonl").read_bytes() == b""
+
+
+# --- a run removes only what its own manifest says it left unfinished ------------------------
+
+
+def _iterate_cmd(root: Path, model: Path, data_root: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "selfplay", "iterate", "--name", "same", "--model", str(model),
+        "--data-root", str(root / data_root), "--checkpoint-root", str(root / "ck"),
+        "--iterations", "1", "--games-per-iter", "4", "--games-per-scenario", "4",
+        "--table-size", "3", "--max-new-tokens", "16", "--max-actions", "4",
+        "--eval-scenarios", "0", "--no-report", *extra,
+    ]  # fmt: skip
+
+
+def test_a_new_run_never_deletes_an_earlier_runs_model(tiny_model, tmp_path):
+    """The same --name and --checkpoint-root with another --data-root: the finished round_0
+    model (and a user's file in it) and warm start of an earlier run are in the way. The new
+    run refuses, naming the folder, and deletes nothing; a folder its own manifest says it left
+    unfinished (a killed train) is still removed on resume."""
+    earlier = {}
+    for stage in ("warm_start", "round_0"):
+        folder = tmp_path / "ck" / "same" / stage
+        folder.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "my-notes.txt"):
+            (folder / name).write_text(f"{stage} {name}")
+        earlier[stage] = folder
+    res = subprocess.run(
+        _iterate_cmd(tmp_path, tiny_model, "data2", "--warm-start", "scripted:cooperative:4"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert f"{earlier['warm_start']} is in the way of run 'same''s warm start" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = subprocess.run(
+        _iterate_cmd(tmp_path, tiny_model, "data3"), env=_env(), capture_output=True, text=True
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert f"{earlier['round_0']} is in the way of run 'same''s round 0 train" in res.stderr
+    assert "move it away or delete it yourself" in res.stderr.lower()
+    for stage, folder in earlier.items():
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "config.json", "model.safetensors", "my-notes.txt"
+        ]  # fmt: skip
+        assert (folder / "my-notes.txt").read_text() == f"{stage} my-notes.txt"
+    # this run's own leftover (its manifest lists it as begun): removed, and the run finishes
+    manifest = tmp_path / "data3" / "same" / "manifest.json"
+    data = orjson.loads(manifest.read_bytes())
+    data["unfinished"] = [str(earlier["round_0"].resolve())]
+    manifest.write_bytes(orjson.dumps(data))
+    res = subprocess.run(
+        _iterate_cmd(tmp_path, tiny_model, "data3"), env=_env(), capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "left unfinished by this run's round 0 train" in res.stderr
+    assert not (earlier["round_0"] / "my-notes.txt").exists()
+    assert orjson.loads(manifest.read_bytes())["unfinished"] == []
