@@ -385,3 +385,29 @@ def test_a_new_run_never_deletes_an_earlier_runs_model(tiny_model, tmp_path):
     assert "left unfinished by this run's round 0 train" in res.stderr
     assert not (earlier["round_0"] / "my-notes.txt").exists()
     assert orjson.loads(manifest.read_bytes())["unfinished"] == []
+
+
+def test_train_and_sft_never_write_into_a_folder_of_other_files(tiny_model, tmp_path):
+    """`train --out DIR` and `sft --out DIR` where DIR holds the user's README.md and
+    metrics.json (names a model folder also has): refused at once, naming the folder and the
+    files, which stay as they were; nothing is trained or played."""
+    theirs = tmp_path / "mine"
+    theirs.mkdir()
+    (theirs / "README.md").write_text("my notes")
+    (theirs / "metrics.json").write_text('{"mine": true}')
+    data = tmp_path / "train.parquet"
+    data.touch()
+    for args in (
+        ["train", "--data", str(data)],
+        ["sft", "--teacher", "scripted:cooperative", "--num-games", "4"],
+    ):
+        cmd = [sys.executable, "-m", "selfplay", *args, "--model", str(tiny_model),
+               "--out", str(theirs)]  # fmt: skip
+        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 1, res.stderr[-3000:]
+        said = " ".join(res.stderr.split())
+        assert f"{theirs} already holds files this command did not write" in said, said
+        assert "README.md, metrics.json" in said and "Traceback" not in said, said
+        assert sorted(p.name for p in theirs.iterdir()) == ["README.md", "metrics.json"]
+        assert (theirs / "README.md").read_text() == "my notes"
+        assert (theirs / "metrics.json").read_text() == '{"mine": true}'

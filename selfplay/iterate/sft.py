@@ -239,7 +239,8 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
     from selfplay.train.publish import check_new_output
     from selfplay.train.sft import train_sft
 
-    check_new_output(config.out)  # before the teacher plays a single game
+    # before the teacher plays a single game; an earlier sft's rows folder is resumed, not refused
+    check_new_output(config.out, own=(DATA_DIR,))
     chat = load_chat_format(config.model)
     new = not config.data_dir.exists()
     try:
