@@ -16,7 +16,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from selfplay.errors import UserError
+from selfplay.errors import UserError, first_problem
 from selfplay.game import DEFAULT_GAME
 from selfplay.metrics import HeldOut
 
@@ -94,9 +94,14 @@ def read_manifest(path: Path) -> Manifest:
     if path.is_dir():
         path = path / MANIFEST_FILE
     try:
-        return Manifest.model_validate(orjson.loads(path.read_bytes()))
-    except (orjson.JSONDecodeError, ValidationError) as e:
-        raise ManifestError(
-            f"{path} is not a readable run manifest ({str(e).splitlines()[0]}); "
-            "restore it from a backup, or start another run with --name"
-        ) from None
+        manifest = Manifest.model_validate(orjson.loads(path.read_bytes()))
+    except orjson.JSONDecodeError as e:
+        problem = f"not JSON: {e}"
+    except ValidationError as e:
+        problem = first_problem(e)
+    else:
+        return manifest
+    raise ManifestError(
+        f"{path} is not a readable run manifest ({problem}); "
+        "restore it from a backup, or start another run with --name"
+    ) from None
