@@ -5,6 +5,9 @@
 one; a failed write leaves no temporary file behind. Every single-file writer of the project
 (manifest, metrics, eval.json, generate.json, model cards, config.json) goes through it.
 
+``check_name(name)``: a run's name (``--name``, ``EXP_NAME``) is one folder under data/ and
+checkpoints/, never a path out of them.
+
 ``folder_lock(folder, what)`` holds ``FOLDER/.selfplay.lock`` (``fcntl.flock``) while a command
 writes there (``output_lock(out, what)``: ``.NAME.lock`` beside an output folder that is made
 only at the end, a trained model's), and writes the holder's pid, command and start time into
@@ -25,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +37,19 @@ from typing import IO
 from selfplay.errors import UserError
 
 LOCK_NAME = ".selfplay.lock"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(name: str) -> str:
+    """``name`` when it is a run name (one folder's name), else ``ValueError`` saying in words
+    what a name may contain."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a run name: a name is letters, digits, '.', '_' and '-', starting "
+            "with a letter or digit (no '/', no spaces), since it names one folder under data/ "
+            "and checkpoints/"
+        )
+    return name
 
 
 class FolderBusy(UserError, RuntimeError):

@@ -411,3 +411,21 @@ def test_train_and_sft_never_write_into_a_folder_of_other_files(tiny_model, tmp_
         assert sorted(p.name for p in theirs.iterdir()) == ["README.md", "metrics.json"]
         assert (theirs / "README.md").read_text() == "my notes"
         assert (theirs / "metrics.json").read_text() == '{"mine": true}'
+
+
+def test_a_run_name_is_one_folder_and_its_rule_is_said_in_words(tmp_path):
+    """EXP_NAME=../../x for generate (its default folder data/$EXP_NAME) is refused as iterate
+    refuses --name ../x: nothing is written outside data/, and the error says what a name may
+    contain instead of printing the pattern."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    env = _env(EXP_NAME="../../x", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for args in (["generate", "--model", "m", "--num-games", "1"], ["iterate", "--model", "m"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "selfplay", *args], cwd=work, env=env, capture_output=True
+        )
+        said = " ".join(res.stderr.decode().split())
+        assert res.returncode == 1, said
+        assert "'../../x' is not a run name: a name is letters, digits, '.', '_' and '-'" in said
+        assert "[A-Za-z0-9]" not in said and "Traceback" not in said, said
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]

@@ -18,6 +18,7 @@ from pydantic import (
 from selfplay.convert import ConvertOptions
 from selfplay.engines import EngineConfig
 from selfplay.errors import UserError
+from selfplay.fileio import check_name
 from selfplay.game import DEFAULT_GAME, game_of
 from selfplay.generate.config import GenerateOptions
 from selfplay.train.config import TrainerOptions
@@ -60,7 +61,6 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="Run name: data/NAME, checkpoints/NAME.",
         json_schema_extra={"envvar": "EXP_NAME"},
     )
@@ -165,6 +165,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     loggers: tuple[str, ...] = Field(
         (), description="Experiment trackers, as verl names them: console, tensorboard, wandb..."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_folder(cls, v: str) -> str:
+        return check_name(v)
 
     @field_validator("loggers")
     @classmethod
