@@ -429,3 +429,20 @@ def test_a_run_name_is_one_folder_and_its_rule_is_said_in_words(tmp_path):
         assert "'../../x' is not a run name: a name is letters, digits, '.', '_' and '-'" in said
         assert "[A-Za-z0-9]" not in said and "Traceback" not in said, said
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]
+
+
+def test_an_engine_answer_that_is_not_json_says_what_the_server_sent(tiny_model, tmp_path):
+    """A healthy server at --engine-url that answers generate with an HTML page (a proxy's):
+    one line naming the server and showing the start of what it sent, not a JSONDecodeError."""
+    from tests.servers import not_json_server
+
+    with not_json_server() as url:
+        cmd = [sys.executable, "-m", "selfplay", "generate", "--engine", "sglang",
+               "--engine-url", url, "--model", str(tiny_model), "--out", str(tmp_path / "g"),
+               "--num-games", "1", "--table-size", "3"]  # fmt: skip
+        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 1, said[-3000:]
+    assert f"server at {url} answered /generate with something that is not JSON" in said, said
+    assert "'<html><body>502 Bad Gateway: the upstream engine is asleep" in said, said
+    assert "JSONDecodeError" not in said and "Traceback" not in said, said

@@ -37,6 +37,7 @@ from selfplay.engines import (
     GenerationRequest,
     ServerEngineConfig,
 )
+from selfplay.engines.servertext import server_text
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +234,21 @@ class ServerEngine:
         if r.status_code != 200:
             raise EngineFailure(
                 f"{self.LABEL} server at {self.url} refused a probe request: HTTP "
-                f"{r.status_code}: {r.text[:500]}{self.probe_hint(r.text)}"
+                f"{r.status_code}: {server_text(r.text, 500)}{self.probe_hint(r.text)}"
             )
-        self.parse(r.json(), 1)  # raises when the answer is not in the format we read
+        self.parse(self.answer_json(r), 1)  # raises when the answer is not in the format we read
+
+    def answer_json(self, r: httpx.Response):
+        """A 200 answer's JSON; one that is not JSON (a proxy's page, another server at the URL)
+        fails saying what the server sent, instead of a bare JSONDecodeError."""
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineFailure(
+                f"{self.LABEL} server at {self.url} answered {r.request.url.path} with something "
+                f"that is not JSON: {server_text(r.text, 200)!r}; check that --engine-url is a "
+                f"{self.LABEL} server"
+            ) from None
 
     async def aclose(self) -> None:
         if self._closed:
@@ -270,14 +283,15 @@ class ServerEngine:
                 log.warning("%s request failed (attempt %d): %s", self.LABEL, attempt + 1, problem)
                 continue
             if r.status_code >= 500:
-                problem = f"HTTP {r.status_code}: {r.text[:300]}"
+                problem = f"HTTP {r.status_code}: {server_text(r.text, 300)}"
                 log.warning("%s request failed (attempt %d): %s", self.LABEL, attempt + 1, problem)
                 continue
             if r.status_code >= 400:
                 raise EngineRequestError(
-                    f"{self.LABEL} refused a request: HTTP {r.status_code}: {r.text}"
+                    f"{self.LABEL} refused a request: HTTP {r.status_code}: "
+                    f"{server_text(r.text, 500)}"
                 )
-            gen = self.parse(r.json(), len(request.prompt_ids))
+            gen = self.parse(self.answer_json(r), len(request.prompt_ids))
             if gen.finish_reason == "abort":
                 problem = f"request aborted by the server ({gen.meta.get('finish_reason')})"
                 log.warning("%s request aborted (attempt %d)", self.LABEL, attempt + 1)
