@@ -446,3 +446,23 @@ def test_an_engine_answer_that_is_not_json_says_what_the_server_sent(tiny_model,
     assert f"server at {url} answered /generate with something that is not JSON" in said, said
     assert "'<html><body>502 Bad Gateway: the upstream engine is asleep" in said, said
     assert "JSONDecodeError" not in said and "Traceback" not in said, said
+
+
+def test_a_truncated_warm_start_model_is_refused_before_the_manifest(tiny_model, tmp_path):
+    """--warm-start DIR whose model.safetensors was cut short (a copy that did not finish):
+    refused at once naming the file, with no manifest written, so the command with the copy
+    redone runs instead of being refused as a run started with other options."""
+    import shutil
+
+    copy = tmp_path / "copied"
+    shutil.copytree(tiny_model, copy)
+    weights = copy / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    cmd = _iterate_cmd(tmp_path, tiny_model, "data", "--warm-start", str(copy))
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 1, said[-3000:]
+    assert f"--warm-start: {weights} is cut short ({len(whole) // 2} bytes of the" in said, said
+    assert "Traceback" not in said, said
+    assert not (tmp_path / "data" / "same" / "manifest.json").exists()

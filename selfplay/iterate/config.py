@@ -186,10 +186,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             if game is not None:  # else: the game's own error is reported
                 parse_warm_start(v, game.name)
         elif v is not None:  # a model: a mistyped directory fails here, before anything is kept
-            from selfplay.models import ModelNotFound, resolve_model
+            from selfplay.models import ModelNotFound, check_weights, resolve_model
 
             try:
-                resolve_model(v)
+                local = Path(resolve_model(v)).expanduser()
+                if local.is_dir():  # weights cut short fail here, before the manifest records them
+                    check_weights(local)
             except ModelNotFound as e:
                 raise ValueError(str(e)) from None
         return v
