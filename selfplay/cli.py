@@ -136,8 +136,14 @@ def sigterm_as_interrupt():
 
 
 def default_data_dir() -> Path:
-    """generate's default folder (convert's, train's): data/$EXP_NAME, else data/generate."""
-    return Path("data") / (os.environ.get("EXP_NAME") or "generate")
+    """generate's default folder (convert's, train's): data/$EXP_NAME, else data/generate.
+    EXP_NAME is checked as iterate checks --name: a name, never a path out of data/."""
+    from selfplay.fileio import check_name
+
+    try:
+        return Path("data") / check_name(os.environ.get("EXP_NAME") or "generate")
+    except ValueError as e:
+        raise fail(f"EXP_NAME: {e}") from None
 
 
 def fail(message: str) -> typer.Exit:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from selfplay.errors import UserError
+from selfplay.errors import UserError, first_problem
 from selfplay.game import DEFAULT_GAME
 from selfplay.metrics import HeldOut
 
@@ -82,6 +82,9 @@ class Manifest(BaseModel):
     test: dict[str, HeldOut] = {}
     rounds: dict[int, RoundRecord] = {}
     tracker_step: int = 0  # the last step sent to the experiment trackers (steps only grow)
+    # output folders a stage of this run began to write and has not finished (resolved paths):
+    # the only folders a resume may remove; anything else in a stage's way is refused
+    unfinished: list[str] = []
 
     @property
     def settings(self) -> RunSettings:
@@ -94,9 +97,14 @@ def read_manifest(path: Path) -> Manifest:
     if path.is_dir():
         path = path / MANIFEST_FILE
     try:
-        return Manifest.model_validate(orjson.loads(path.read_bytes()))
-    except (orjson.JSONDecodeError, ValidationError) as e:
-        raise ManifestError(
-            f"{path} is not a readable run manifest ({str(e).splitlines()[0]}); "
-            "restore it from a backup, or start another run with --name"
-        ) from None
+        manifest = Manifest.model_validate(orjson.loads(path.read_bytes()))
+    except orjson.JSONDecodeError as e:
+        problem = f"not JSON: {e}"
+    except ValidationError as e:
+        problem = first_problem(e)
+    else:
+        return manifest
+    raise ManifestError(
+        f"{path} is not a readable run manifest ({problem}); "
+        "restore it from a backup, or start another run with --name"
+    ) from None

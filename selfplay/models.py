@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -152,6 +153,42 @@ def resolve_model(name: str | None) -> str:
                 f"{name} holds no model (no config.json): pass a Hugging Face model directory"
             )
     return name
+
+
+def check_weights(model_dir: str | Path) -> None:
+    """Refuse a model directory whose weights are incomplete (a copy or a save cut short): every
+    shard its index names must be there, and every .safetensors file as long as its header says.
+    Reads headers only; a directory without safetensors weights passes (transformers judges it)."""
+    path = Path(model_dir)
+    for index in path.glob("*.safetensors.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelNotFound(f"{index} is not a readable weight index ({e})") from None
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelNotFound(
+                f"{path} lacks {', '.join(missing)}, which {index.name} names: the model was not "
+                "copied or saved completely; copy or save it again"
+            )
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        try:
+            with weights.open("rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n)) if 8 + n <= size else None
+            end = max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
+            want = 8 + n + end
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            want = None  # the header itself is cut or garbled
+        if want is None or size < want:
+            of = f" of the {want} its header promises" if want else ""
+            raise ModelNotFound(
+                f"{weights} is cut short ({size} bytes{of}): the model was not copied or saved "
+                "completely; copy or save it again"
+            )
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

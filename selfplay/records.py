@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from selfplay.errors import UserError
+from selfplay.fileio import open_output
 from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
 from selfplay.game.api import Outcome
 from selfplay.seats import SamplingParams, SeatConfig, SeatTokens
@@ -185,7 +186,7 @@ def dump_record(record: BaseModel) -> bytes:
 
 def append_records(path: str | Path, records: list[GameRecord]) -> None:
     """Append records and flush them to disk (each game is durable as soon as it is written)."""
-    with Path(path).open("ab") as f:
+    with open_output(path, "ab") as f:
         for record in records:
             f.write(dump_record(record))
         f.flush()
@@ -203,7 +204,7 @@ def repair_jsonl_tail(path: str | Path) -> int:
     size = path.stat().st_size
     if size == 0:
         return 0
-    with path.open("rb+") as f:
+    with open_output(path, "rb+") as f:
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return 0

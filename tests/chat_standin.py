@@ -33,7 +33,7 @@ class ChatStandIn:
     def __init__(self, reply: Callable[[dict], str] = shy_reply) -> None:
         self.reply = reply
         self.requests: list[dict] = []  # {"headers": {...}, "body": {...}, "status": int}
-        self._fail: list[int] = []  # statuses still to answer, in order
+        self._fail: list[tuple[int, str | None]] = []  # (status, message) still to answer
         self._lock = threading.Lock()
         self.app = FastAPI()
         self.app.post("/v1/chat/completions")(self._complete)
@@ -47,10 +47,11 @@ class ChatStandIn:
         )
         self._thread: threading.Thread | None = None
 
-    def fail_next(self, times: int, status: int = 429) -> None:
-        """Answer the next ``times`` requests with ``status`` (and Retry-After: 0 for 429)."""
+    def fail_next(self, times: int, status: int = 429, message: str | None = None) -> None:
+        """Answer the next ``times`` requests with ``status`` (and Retry-After: 0 for 429), the
+        error saying ``message`` (default: ``stand-in says STATUS``)."""
         with self._lock:
-            self._fail.extend([status] * times)
+            self._fail.extend([(status, message)] * times)
 
     @property
     def answered(self) -> list[dict]:
@@ -60,12 +61,14 @@ class ChatStandIn:
     async def _complete(self, request: Request) -> JSONResponse:
         body = await request.json()
         with self._lock:
-            status = self._fail.pop(0) if self._fail else 200
+            status, message = self._fail.pop(0) if self._fail else (200, None)
             self.requests.append({"headers": dict(request.headers), "body": body, "status": status})
         if status != 200:
             headers = {"retry-after": "0"} if status == 429 else {}
             return JSONResponse(
-                {"error": {"message": f"stand-in says {status}"}}, status, headers=headers
+                {"error": {"message": message or f"stand-in says {status}"}},
+                status,
+                headers=headers,
             )
         text = self.reply(body)
         prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])

@@ -2,6 +2,8 @@
 
 The SGLang and router stand-ins (``sglang_standin.py``, ``router_standin.py``) and ``transformers
 serve`` are started through here, so every test starts, waits for and stops them the same way.
+``not_json_server`` is a healthy server that answers every POST with a page that is not JSON
+(as a proxy in front of the engine would).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import contextlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
@@ -57,3 +61,40 @@ def running(args: list[str]) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+
+
+class _NotJSON(BaseHTTPRequestHandler):
+    page = b"<html><body>502 Bad Gateway: the upstream engine is asleep</body></html>" * 10
+
+    def _send(self, status: int, body: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("content-type", kind)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, b"ok", "text/plain")
+        else:
+            self._send(404, b"{}", "application/json")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._send(200, self.page, "text/html")
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+@contextlib.contextmanager
+def not_json_server() -> Iterator[str]:
+    """A server (in a thread) whose /health is 200 and whose every POST answer is an HTML page."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotJSON)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

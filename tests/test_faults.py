@@ -294,3 +294,175 @@ def test_convert_skips_a_record_of_a_game_it_does_not_know(tmp_path):
     summary = convert(ConvertConfig(games=games, out=tmp_path))
     assert summary.games_read == 2 and summary.lines_skipped == 1
     assert "'chess' is not a game this selfplay knows" in summary.skipped[0][1]
+
+
+# --- planted links: an output path that is a symbolic link is refused, never written through ---
+
+
+def test_a_link_planted_at_an_output_is_refused_and_its_target_untouched(tiny_model, tmp_path):
+    """OUT/games.jsonl a dangling link or a link to an empty file: generate refuses at once,
+    naming the path; the target is neither created nor written, the link is not replaced. The
+    library's other writers (atomic files, appended lines) refuse a link the same way."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "empty.jsonl").touch()
+    for target in (elsewhere / "missing.jsonl", elsewhere / "empty.jsonl"):
+        out = tmp_path / f"out-{target.stem}"
+        out.mkdir()
+        (out / "games.jsonl").symlink_to(target)
+        res = subprocess.run(_generate_cmd(out, tiny_model, 4, 4), env=_env(), capture_output=True)
+        err = res.stderr.decode()
+        assert res.returncode == 1, err[-3000:]
+        assert f"{out / 'games.jsonl'} is a symbolic link" in err and "Traceback" not in err, err
+        assert (out / "games.jsonl").is_symlink()
+    assert not (elsewhere / "missing.jsonl").exists()
+    assert (elsewhere / "empty.jsonl").read_bytes() == b""
+    from selfplay.fileio import LinkRefused, atomic_write, open_output
+
+    link = tmp_path / "manifest.json"
+    link.symlink_to(elsewhere / "empty.jsonl")
+    with pytest.raises(LinkRefused, match=r"manifest\.json is a symbolic link"):
+        atomic_write(link, "{}")
+    with pytest.raises(LinkRefused, match=r"manifest\.json is a symbolic link"):
+        open_output(link, "ab")
+    assert link.is_symlink() and (elsewhere / "empty.jsonl").read_bytes() == b""
+
+
+# --- a run removes only what its own manifest says it left unfinished ------------------------
+
+
+def _iterate_cmd(root: Path, model: Path, data_root: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "selfplay", "iterate", "--name", "same", "--model", str(model),
+        "--data-root", str(root / data_root), "--checkpoint-root", str(root / "ck"),
+        "--iterations", "1", "--games-per-iter", "4", "--games-per-scenario", "4",
+        "--table-size", "3", "--max-new-tokens", "16", "--max-actions", "4",
+        "--eval-scenarios", "0", "--no-report", *extra,
+    ]  # fmt: skip
+
+
+def test_a_new_run_never_deletes_an_earlier_runs_model(tiny_model, tmp_path):
+    """The same --name and --checkpoint-root with another --data-root: the finished round_0
+    model (and a user's file in it) and warm start of an earlier run are in the way. The new
+    run refuses, naming the folder, and deletes nothing; a folder its own manifest says it left
+    unfinished (a killed train) is still removed on resume."""
+    earlier = {}
+    for stage in ("warm_start", "round_0"):
+        folder = tmp_path / "ck" / "same" / stage
+        folder.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "my-notes.txt"):
+            (folder / name).write_text(f"{stage} {name}")
+        earlier[stage] = folder
+    res = subprocess.run(
+        _iterate_cmd(tmp_path, tiny_model, "data2", "--warm-start", "scripted:cooperative:4"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert f"{earlier['warm_start']} is in the way of run 'same''s warm start" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = subprocess.run(
+        _iterate_cmd(tmp_path, tiny_model, "data3"), env=_env(), capture_output=True, text=True
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert f"{earlier['round_0']} is in the way of run 'same''s round 0 train" in res.stderr
+    assert "move it away or delete it yourself" in res.stderr.lower()
+    for stage, folder in earlier.items():
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "config.json", "model.safetensors", "my-notes.txt"
+        ]  # fmt: skip
+        assert (folder / "my-notes.txt").read_text() == f"{stage} my-notes.txt"
+    # this run's own leftover (its manifest lists it as begun): removed, and the run finishes
+    manifest = tmp_path / "data3" / "same" / "manifest.json"
+    data = orjson.loads(manifest.read_bytes())
+    data["unfinished"] = [str(earlier["round_0"].resolve())]
+    manifest.write_bytes(orjson.dumps(data))
+    res = subprocess.run(
+        _iterate_cmd(tmp_path, tiny_model, "data3"), env=_env(), capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "left unfinished by this run's round 0 train" in res.stderr
+    assert not (earlier["round_0"] / "my-notes.txt").exists()
+    assert orjson.loads(manifest.read_bytes())["unfinished"] == []
+
+
+def test_train_and_sft_never_write_into_a_folder_of_other_files(tiny_model, tmp_path):
+    """`train --out DIR` and `sft --out DIR` where DIR holds the user's README.md and
+    metrics.json (names a model folder also has): refused at once, naming the folder and the
+    files, which stay as they were; nothing is trained or played."""
+    theirs = tmp_path / "mine"
+    theirs.mkdir()
+    (theirs / "README.md").write_text("my notes")
+    (theirs / "metrics.json").write_text('{"mine": true}')
+    data = tmp_path / "train.parquet"
+    data.touch()
+    for args in (
+        ["train", "--data", str(data)],
+        ["sft", "--teacher", "scripted:cooperative", "--num-games", "4"],
+    ):
+        cmd = [sys.executable, "-m", "selfplay", *args, "--model", str(tiny_model),
+               "--out", str(theirs)]  # fmt: skip
+        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 1, res.stderr[-3000:]
+        said = " ".join(res.stderr.split())
+        assert f"{theirs} already holds files this command did not write" in said, said
+        assert "README.md, metrics.json" in said and "Traceback" not in said, said
+        assert sorted(p.name for p in theirs.iterdir()) == ["README.md", "metrics.json"]
+        assert (theirs / "README.md").read_text() == "my notes"
+        assert (theirs / "metrics.json").read_text() == '{"mine": true}'
+
+
+def test_a_run_name_is_one_folder_and_its_rule_is_said_in_words(tmp_path):
+    """EXP_NAME=../../x for generate (its default folder data/$EXP_NAME) is refused as iterate
+    refuses --name ../x: nothing is written outside data/, and the error says what a name may
+    contain instead of printing the pattern."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    env = _env(EXP_NAME="../../x", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for args in (["generate", "--model", "m", "--num-games", "1"], ["iterate", "--model", "m"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "selfplay", *args], cwd=work, env=env, capture_output=True
+        )
+        said = " ".join(res.stderr.decode().split())
+        assert res.returncode == 1, said
+        assert "'../../x' is not a run name: a name is letters, digits, '.', '_' and '-'" in said
+        assert "[A-Za-z0-9]" not in said and "Traceback" not in said, said
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]
+
+
+def test_an_engine_answer_that_is_not_json_says_what_the_server_sent(tiny_model, tmp_path):
+    """A healthy server at --engine-url that answers generate with an HTML page (a proxy's):
+    one line naming the server and showing the start of what it sent, not a JSONDecodeError."""
+    from tests.servers import not_json_server
+
+    with not_json_server() as url:
+        cmd = [sys.executable, "-m", "selfplay", "generate", "--engine", "sglang",
+               "--engine-url", url, "--model", str(tiny_model), "--out", str(tmp_path / "g"),
+               "--num-games", "1", "--table-size", "3"]  # fmt: skip
+        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 1, said[-3000:]
+    assert f"server at {url} answered /generate with something that is not JSON" in said, said
+    assert "'<html><body>502 Bad Gateway: the upstream engine is asleep" in said, said
+    assert "JSONDecodeError" not in said and "Traceback" not in said, said
+
+
+def test_a_truncated_warm_start_model_is_refused_before_the_manifest(tiny_model, tmp_path):
+    """--warm-start DIR whose model.safetensors was cut short (a copy that did not finish):
+    refused at once naming the file, with no manifest written, so the command with the copy
+    redone runs instead of being refused as a run started with other options."""
+    import shutil
+
+    copy = tmp_path / "copied"
+    shutil.copytree(tiny_model, copy)
+    weights = copy / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    cmd = _iterate_cmd(tmp_path, tiny_model, "data", "--warm-start", str(copy))
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 1, said[-3000:]
+    assert f"--warm-start: {weights} is cut short ({len(whole) // 2} bytes of the" in said, said
+    assert "Traceback" not in said, said
+    assert not (tmp_path / "data" / "same" / "manifest.json").exists()

@@ -186,7 +186,13 @@ def test_heldout_scenarios_are_the_same_every_round_and_never_trained_on(referen
     }
     assert not seen[0] & trained
     assert all(int(g.scenario.seed) % 2 == 1 for g in iter_game_records(evals[0]))
-    assert set(manifest["baselines"]) == {"cooperative", "no-talk", "proposer", "random", "inquisitive"}
+    assert set(manifest["baselines"]) == {
+        "cooperative",
+        "no-talk",
+        "proposer",
+        "random",
+        "inquisitive",
+    }
 
 
 def test_training_runs_in_a_fresh_process_with_all_threads(reference_run):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 
 import orjson
@@ -397,6 +398,44 @@ def test_cli_generate_with_an_api_partner_never_writes_the_key(tmp_path, primed_
     assert snapshot["partner"] == f"openai:{MODEL}"
     assert (out / "partner_cache.jsonl").exists() and (out / "partner_usage.jsonl").exists()
     assert _files_containing(tmp_path, SECRET.encode()) == []
+
+
+def test_a_key_the_server_echoes_reaches_no_record_log_or_output(tmp_path, tiny_model):
+    """A 400 whose error text carries the key across the 500-character cut and a tail of it (as
+    a server masking the key shows), then answers that echo the key as the partner's words: no
+    piece of the key of 8 characters or more is printed or written anywhere (a real generate)."""
+    import subprocess
+    import sys
+
+    from selfplay.engines.servertext import FRAGMENT
+
+    out = tmp_path / "run"
+    echo = "x" * 488 + SECRET + " (key ending in " + SECRET[-10:] + ")"
+
+    def echoing(body: dict) -> str:
+        return f"[message] You sent {SECRET}, which ends {SECRET[-9:]}."
+
+    with ChatStandIn(reply=echoing) as standin:
+        standin.fail_next(1, 400, echo)
+        cmd = [
+            sys.executable, "-m", "selfplay", "-v", "generate", "--model", str(tiny_model),
+            "--out", str(out), "--num-games", "2", "--concurrency", "1", "--table-size", "3",
+            "--max-new-tokens", "16", "--max-actions", "4", "--partner", f"openai:{MODEL}",
+            "--policy-seat", "2", "--partner-base-url", standin.url,
+            "--partner-key-env", KEY_ENV,
+        ]  # fmt: skip
+        env = {**os.environ, KEY_ENV: SECRET, "TOKENIZERS_PARALLELISM": "false"}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = read(out / "games.jsonl")
+    errors = [r.error for r in records if r.outcome == Outcome.ERROR]
+    assert len(errors) == 1 and "HTTP 400" in errors[0] and "***" in errors[0], errors
+    said = [a.text for r in records for a in r.actions if a.seat == 0]
+    assert said and all("***" in t for t in said), said
+    pieces = {SECRET[i : i + FRAGMENT] for i in range(len(SECRET) - FRAGMENT + 1)}
+    for piece in pieces:
+        assert piece not in res.stdout + res.stderr, piece
+        assert _files_containing(tmp_path, piece.encode()) == [], piece
 
 
 def test_cli_rejects_a_policy_seat_without_partner(tmp_path, tiny_model):

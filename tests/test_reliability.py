@@ -249,6 +249,24 @@ def test_a_corrupt_manifest_or_metrics_file_is_one_clear_line(tmp_path, tiny_mod
     (run / "metrics.jsonl").write_text('{"round": 0}\n{torn')
     res = CliRunner().invoke(app, ["report", str(run)])
     assert res.exit_code == 1 and "has a corrupt line" in res.output
+    # a bad value, in the manifest or a metrics line: one line naming the file, the field and
+    # the value found, not pydantic's four-line dump
+    from selfplay.manifest import Manifest
+
+    good = Manifest(name="run", config={}, created_at=1.0, versions={}, git_commit=None)
+    (run / "manifest.json").write_bytes(orjson.dumps(good.model_dump() | {"created_at": "noon"}))
+    res = CliRunner().invoke(
+        app, ["iterate", "--name", "run", "--data-root", str(tmp_path), "--model", str(tiny_model)]
+    )
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and "manifest.json is not a readable run manifest (field " in said
+    assert "field created_at: Input should be a valid number" in said and "'noon'" in said, said
+    (run / "metrics.jsonl").write_text('{"round": "zero"}\n')
+    res = CliRunner().invoke(app, ["report", str(run)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and "metrics.jsonl has a corrupt line (line 1, field " in said, said
+    assert "field round: Input should be a valid integer" in said and "'zero'" in said, said
+    assert said.count("error:") == 1 and "errors.pydantic.dev" not in said, said
 
 
 def test_a_missing_embedded_model_wheel_is_one_clear_line(tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ from selfplay.convert.rows import (
 )
 from selfplay.convert.stats import LengthStats, RewardStats, Stats
 from selfplay.errors import UserError
-from selfplay.fileio import folder_lock
+from selfplay.fileio import folder_lock, refuse_link
 from selfplay.records import TRAINING_SCHEMA, GameRecord, RecordError, check_record_version
 
 __all__ = [
@@ -260,6 +260,8 @@ def _convert_locked(config: ConvertConfig) -> ConvertSummary:
         log.warning("removing %s, left by a convert that did not finish", stale)
         stale.unlink(missing_ok=True)
     final = {"train": out / TRAIN_FILE, "val": out / VAL_FILE, "summary": out / SUMMARY_FILE}
+    for path in final.values():
+        refuse_link(path)  # a rename would replace a link planted there; say so before any work
     summary = ConvertSummary(
         games_path=str(games),
         train_path=str(final["train"]),

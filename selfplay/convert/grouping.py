@@ -29,9 +29,7 @@ def group_id(key: str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def group_key(
-    group_by: GroupBy, scenario_id: str, round: int, seat: int, kind: str = ""
-) -> str:
+def group_key(group_by: GroupBy, scenario_id: str, round: int, seat: int, kind: str = "") -> str:
     """The readable group key. The round is part of it: one group = one policy on one scenario.
     ``kind`` (``game_kind``: the game and its table size) leads it, so games of two games or
     sizes drawn with one seed (the same scenario id) never share a group."""

@@ -6,7 +6,8 @@ never put into an error message and never recorded. Transport errors, 429 and 5x
 retried with exponential backoff (honouring Retry-After); when the retries are spent the engine
 raises ``EngineFailure``. 401, 403 and 404 (a bad key, no access, a wrong model or URL) fail every
 request alike, so they raise ``EngineFailure`` too; other 4xx answers raise ``EngineRequestError``.
-Error texts from the server are kept short and have the key blanked out before they go anywhere.
+Every text from the server (error texts and the answers themselves) has the key, and every piece
+of it, blanked out before it is cut short, logged or stored (``servertext``).
 The engine counts what it spent: ``requests`` (HTTP attempts), ``retries``, ``prompt_tokens`` and
 ``completion_tokens`` (from the answers' ``usage``).
 """
@@ -22,6 +23,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay.engines import EngineFailure, EngineRequestError, FinishReason
+from selfplay.engines.servertext import redact, server_text
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class OpenAIEngine:
             transport=transport,
         )
         self.has_key = key is not None
-        self._key = key or None  # only to blank it out of error texts
+        self._key = key or None  # only to blank it out of what the server sends back
         self.requests = 0
         self.retries = 0
         self.prompt_tokens = 0
@@ -105,7 +107,7 @@ class OpenAIEngine:
                 unset = "" if self.has_key else f" (${c.api_key_env} is not set)"
                 message = (
                     f"{self.name} at {c.base_url} refused a request: HTTP {r.status_code}: "
-                    f"{self._redact(_error_text(r))}{unset}"
+                    f"{server_text(_error_text(r), 500, [self._key])}{unset}"
                 )
                 if r.status_code in (401, 403, 404):
                     raise EngineFailure(
@@ -116,9 +118,14 @@ class OpenAIEngine:
             try:
                 answer = r.json()
                 choice = answer["choices"][0]
-                text = choice["message"]["content"] or ""
+                # a server that echoes the request could hand the key back as the partner's
+                # words, which the records and the partner cache keep
+                text = redact(choice["message"]["content"] or "", [self._key])
             except (KeyError, IndexError, TypeError, ValueError) as e:
-                raise EngineFailure(f"{self.name}: unexpected chat completion answer: {e}") from e
+                raise EngineFailure(
+                    f"{self.name} at {c.base_url}: unexpected chat completion answer "
+                    f"({type(e).__name__}): {server_text(r.text, 200, [self._key])!r}"
+                ) from e
             usage = answer.get("usage") if isinstance(answer, dict) else None
             if isinstance(usage, dict):
                 self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
@@ -128,9 +135,6 @@ class OpenAIEngine:
         raise EngineFailure(
             f"{self.name} at {c.base_url} failed {c.retries + 1} times (last: {problem})"
         )
-
-    def _redact(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
 
     async def _backoff(self, attempt: int, retry_after: str | None) -> None:
         if attempt >= self.config.retries:
@@ -146,10 +150,12 @@ class OpenAIEngine:
 
 
 def _error_text(r: httpx.Response) -> str:
+    """The server's error message, whole: ``server_text`` redacts it before it is cut."""
     try:
-        err = r.json().get("error")
-        if isinstance(err, dict):
-            return str(err.get("message", ""))[:500]
+        body = r.json()
     except ValueError:
-        pass
-    return r.text[:500]
+        return r.text
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", ""))
+    return r.text

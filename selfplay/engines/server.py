@@ -37,6 +37,7 @@ from selfplay.engines import (
     GenerationRequest,
     ServerEngineConfig,
 )
+from selfplay.engines.servertext import server_text
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,14 @@ class ServerEngine:
             fd, name = tempfile.mkstemp(prefix=f"{self.LABEL.lower()}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self._log_file = self.log_path.open("ab")
+        try:  # never through a link planted at the log's path (O_NOFOLLOW)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+            self._log_file = os.fdopen(os.open(self.log_path, flags, 0o644), "ab")
+        except OSError as e:
+            raise EngineFailure(
+                f"cannot write the {self.LABEL} server's log {self.log_path} ({e.strerror}; a "
+                "symbolic link there is refused): remove it, or choose another log path"
+            ) from None
         cmd = self.command()
         log.info("launching %s: %s (log: %s)", self.LABEL, " ".join(cmd), self.log_path)
         try:
@@ -226,9 +234,21 @@ class ServerEngine:
         if r.status_code != 200:
             raise EngineFailure(
                 f"{self.LABEL} server at {self.url} refused a probe request: HTTP "
-                f"{r.status_code}: {r.text[:500]}{self.probe_hint(r.text)}"
+                f"{r.status_code}: {server_text(r.text, 500)}{self.probe_hint(r.text)}"
             )
-        self.parse(r.json(), 1)  # raises when the answer is not in the format we read
+        self.parse(self.answer_json(r), 1)  # raises when the answer is not in the format we read
+
+    def answer_json(self, r: httpx.Response):
+        """A 200 answer's JSON; one that is not JSON (a proxy's page, another server at the URL)
+        fails saying what the server sent, instead of a bare JSONDecodeError."""
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineFailure(
+                f"{self.LABEL} server at {self.url} answered {r.request.url.path} with something "
+                f"that is not JSON: {server_text(r.text, 200)!r}; check that --engine-url is a "
+                f"{self.LABEL} server"
+            ) from None
 
     async def aclose(self) -> None:
         if self._closed:
@@ -263,14 +283,15 @@ class ServerEngine:
                 log.warning("%s request failed (attempt %d): %s", self.LABEL, attempt + 1, problem)
                 continue
             if r.status_code >= 500:
-                problem = f"HTTP {r.status_code}: {r.text[:300]}"
+                problem = f"HTTP {r.status_code}: {server_text(r.text, 300)}"
                 log.warning("%s request failed (attempt %d): %s", self.LABEL, attempt + 1, problem)
                 continue
             if r.status_code >= 400:
                 raise EngineRequestError(
-                    f"{self.LABEL} refused a request: HTTP {r.status_code}: {r.text}"
+                    f"{self.LABEL} refused a request: HTTP {r.status_code}: "
+                    f"{server_text(r.text, 500)}"
                 )
-            gen = self.parse(r.json(), len(request.prompt_ids))
+            gen = self.parse(self.answer_json(r), len(request.prompt_ids))
             if gen.finish_reason == "abort":
                 problem = f"request aborted by the server ({gen.meta.get('finish_reason')})"
                 log.warning("%s request aborted (attempt %d)", self.LABEL, attempt + 1)

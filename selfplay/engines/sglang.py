@@ -18,6 +18,7 @@ import httpx
 
 from selfplay.engines import EngineFailure, Generation, GenerationRequest, SGLangEngineConfig
 from selfplay.engines.server import RETRYABLE, ServerEngine
+from selfplay.engines.servertext import server_text
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ class SGLangEngine(ServerEngine):
             ok = r.headers.get("content-type", "").startswith("application/json")
             if r.status_code != 200 or not (ok and r.json().get("success", False)):
                 raise EngineFailure(
-                    f"SGLang worker {url} could not load weights from {model_path}: {r.text[:500]}"
+                    f"SGLang worker {url} could not load weights from {model_path}: "
+                    f"{server_text(r.text, 500)}"
                 )
         log.info("reloaded %s into %d SGLang server(s): %s", model_path, len(urls), ", ".join(urls))
         self.name = model_path

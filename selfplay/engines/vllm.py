@@ -42,6 +42,7 @@ from selfplay.engines import (
     VLLMEngineConfig,
 )
 from selfplay.engines.server import RETRYABLE, ServerEngine
+from selfplay.engines.servertext import server_text
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class VLLMEngine(ServerEngine):
         if r.status_code != 200:
             raise EngineFailure(
                 f"vLLM server at {self.url} could not load weights from {model_path}: "
-                f"HTTP {r.status_code}: {r.text[:500]}"
+                f"HTTP {r.status_code}: {server_text(r.text, 500)}"
             )
         log.info("reloaded %s into the vLLM server at %s", model_path, self.url)
         self.name = model_path

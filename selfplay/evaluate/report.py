@@ -17,15 +17,18 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 from selfplay.evaluate.config import CrossPlay, EvalResult, EvalRow
+from selfplay.fileio import atomic_write, refuse_link
 
 COLORS = {"model": "tab:blue", "baseline": "tab:gray", "human": "tab:green"}
 
 
 def save_figure(fig, path: Path) -> Path:
     """Lay ``fig`` out, write it to ``path`` and close it (pyplot keeps open figures alive)."""
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        fig.savefig(refuse_link(path))  # matplotlib would write through a link planted there
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -197,7 +200,7 @@ def write_eval_report(result: EvalResult, out: str | Path) -> dict[str, Path]:
     if result.cross_play is not None:
         plots["cross-play"] = plot_cross_play(result.cross_play, out / "cross_play.png")
     md = out / "eval.md"
-    md.write_text(markdown(result, plots))
+    atomic_write(md, markdown(result, plots))
     return {"eval.md": md, **{p.name: p for p in plots.values()}}
 
 

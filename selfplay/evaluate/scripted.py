@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfplay.evaluate.config import EvalError
+from selfplay.fileio import atomic_write
 from selfplay.game import DialogueGame, get_game
 from selfplay.generate.rollout import (
     GameSpec,
@@ -118,7 +119,7 @@ def run_scripted_pair(
     pair = evaluate_scripted(game, scripted_pair(players, game.scripted_names), **options)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(pair.as_dict(), indent=2) + "\n")
+        atomic_write(out, json.dumps(pair.as_dict(), indent=2) + "\n")
     return pair
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 
 from selfplay.errors import UserError
-from selfplay.fileio import atomic_write
+from selfplay.fileio import atomic_write, refuse_link
 from selfplay.generate.config import ADDED_LATER, GenerateConfig
 from selfplay.generate.rollout import GameSpec, training_plan
 from selfplay.records import GameRecord, append_records, line_game_id, repair_jsonl_tail
@@ -37,6 +37,8 @@ def prepare_output(config: GenerateConfig, *, record: bool = True) -> dict[str, 
     return {game_id: reward}. ``run_generate`` records the options only once the engine has
     started, so a typo (a model that does not load) does not tie the folder to its options."""
     config.out.mkdir(parents=True, exist_ok=True)
+    for path in (config.games_path, config.snapshot_path):
+        refuse_link(path)  # before a game is played: its appends would go wherever a link points
     snap = config.snapshot_path
     identity = config.identity()
     if snap.exists():

@@ -18,6 +18,7 @@ from pydantic import (
 from selfplay.convert import ConvertOptions
 from selfplay.engines import EngineConfig
 from selfplay.errors import UserError
+from selfplay.fileio import check_name
 from selfplay.game import DEFAULT_GAME, game_of
 from selfplay.generate.config import GenerateOptions
 from selfplay.train.config import TrainerOptions
@@ -60,7 +61,6 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="Run name: data/NAME, checkpoints/NAME.",
         json_schema_extra={"envvar": "EXP_NAME"},
     )
@@ -174,6 +174,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         (), description="Experiment trackers, as verl names them: console, tensorboard, wandb..."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_folder(cls, v: str) -> str:
+        return check_name(v)
+
     @field_validator("loggers")
     @classmethod
     def _loggers_known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -189,10 +194,12 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             if game is not None:  # else: the game's own error is reported
                 parse_warm_start(v, game.name)
         elif v is not None:  # a model: a mistyped directory fails here, before anything is kept
-            from selfplay.models import ModelNotFound, resolve_model
+            from selfplay.models import ModelNotFound, check_weights, resolve_model
 
             try:
-                resolve_model(v)
+                local = Path(resolve_model(v)).expanduser()
+                if local.is_dir():  # weights cut short fail here, before the manifest records them
+                    check_weights(local)
             except ModelNotFound as e:
                 raise ValueError(str(e)) from None
         return v

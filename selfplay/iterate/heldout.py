@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -69,10 +68,7 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     started = time.time()
     if not cfg.warm_start.startswith("scripted:"):
         return StageRecord.since(started, artifacts={"model": cfg.warm_start})
-    out = cfg.warm_start_dir
-    if out.exists():  # a warm start killed mid-way: its output never counted
-        log.warning("removing the unfinished warm start %s", out)
-        shutil.rmtree(out)
+    out = cfg.warm_start_dir  # the loop cleared the way (Run.claim: its own leftovers only)
     _hold(cfg.run_dir, "warm_start")
     log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
     info, rss = isolated(_warm_start_sft, cfg)

@@ -71,7 +71,10 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
         if (held := heldout_stage(config, None, config.model, run.manifest)) is not None:
             run.record_heldout(None, *held)
         if run.manifest.warm_start is None:
-            run.record_warm_start(warm_start_stage(config))
+            made = config.warm_start_dir if config.warm_start.startswith("scripted:") else None
+            if made is not None:
+                run.claim(made, "warm start")
+            run.record_warm_start(warm_start_stage(config), made)
         model = start = run.manifest.warm_start.artifacts["model"]
     else:
         model = config.model
@@ -108,7 +111,10 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
                 child.close()
             for name, stage in stages(config, generate, child):
                 if name not in rnd.stages:
-                    run.record(k, name, stage(config, k, model, rnd.stages))
+                    made = config.checkpoint_dir(k) if name == "train" else None
+                    if made is not None:
+                        run.claim(made, f"round {k} train")
+                    run.record(k, name, stage(config, k, model, rnd.stages), made)
             prune_checkpoints(config, run.manifest)
             if rnd.metrics is None:
                 run.record_round_metrics(k, round_metrics(rnd, config.round_dir(k) / "games.jsonl"))

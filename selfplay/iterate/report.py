@@ -17,10 +17,11 @@ import matplotlib.pyplot as plt
 import orjson
 from pydantic import ValidationError
 
-from selfplay.errors import UserError
+from selfplay.errors import UserError, first_problem
 from selfplay.evaluate.human import comparable, human_label
 from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
+from selfplay.fileio import atomic_write
 from selfplay.game import DEFAULT_GAME, DialogueGame, get_game
 from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
@@ -41,17 +42,18 @@ def read_metrics(run_dir: str | Path) -> list[RoundMetrics]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ReportError(f"{path} does not exist: run `selfplay iterate` for this run first")
-    try:
-        rows = [
-            RoundMetrics.model_validate(orjson.loads(line))
-            for line in path.read_bytes().splitlines()
-            if line.strip()
-        ]
-    except (orjson.JSONDecodeError, ValidationError) as e:
-        raise ReportError(
-            f"{path} has a corrupt line ({e}); it is rewritten from the manifest by re-running "
-            "the run's `selfplay iterate` command"
-        ) from None
+    rows = []
+    for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(RoundMetrics.model_validate(orjson.loads(line)))
+        except (orjson.JSONDecodeError, ValidationError) as e:
+            problem = first_problem(e) if isinstance(e, ValidationError) else f"not JSON: {e}"
+            raise ReportError(
+                f"{path} has a corrupt line (line {lineno}, {problem}); it is rewritten from the "
+                "manifest by re-running the run's `selfplay iterate` command"
+            ) from None
     if not rows:
         raise ReportError(f"{path} has no finished round yet")
     return sorted(rows, key=lambda r: r.round)
@@ -431,7 +433,7 @@ def write_report(
         md.append(f"![{name}]({path.name})")
         md.append("")
     out = run_dir / "REPORT.md"
-    out.write_text("\n".join(md))
+    atomic_write(out, "\n".join(md))
     log.info("wrote %s and %d plots", out, len(plots))
     return out
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import platform
+import shutil
 import time
 from importlib import metadata
+from pathlib import Path
 
 import orjson
 from pydantic import (
@@ -109,17 +111,44 @@ class Run:
         self.save()
         return rnd
 
-    def record(self, k: int, stage: str, rec: StageRecord) -> None:
+    def claim(self, out: Path, what: str) -> None:
+        """Clear the way for a stage about to write the folder ``out``: remove what this run's
+        own unfinished stage left there (the manifest says so), refuse anything else (another
+        run's finished model, a user's files), and note ``out`` as begun, before any write."""
+        key = str(out.resolve())
+        if out.exists() or out.is_symlink():
+            if key not in self.manifest.unfinished:
+                raise IterateError(
+                    f"{out} is in the way of run {self.config.name!r}'s {what}: it exists, but "
+                    "this run's manifest does not say this run made it (it may be an earlier "
+                    "run's finished model, or files of yours), so it is left alone. Move it "
+                    "away or delete it yourself, or choose another --name or --checkpoint-root"
+                )
+            log.warning("removing %s, left unfinished by this run's %s", out, what)
+            shutil.rmtree(out)
+        if key not in self.manifest.unfinished:
+            self.manifest.unfinished.append(key)
+            self.save()
+
+    def record(self, k: int, stage: str, rec: StageRecord, made: Path | None = None) -> None:
+        """Record round ``k``'s finished stage; ``made``: the folder it claimed, now finished."""
         self.manifest.rounds[k].stages[stage] = rec
+        self._finished(made)
         self.save()
+
+    def _finished(self, made: Path | None) -> None:
+        if made is not None:
+            key = str(made.resolve())
+            self.manifest.unfinished = [p for p in self.manifest.unfinished if p != key]
 
     def record_round_metrics(self, k: int, metrics: dict) -> None:
         self.manifest.rounds[k].metrics = metrics
         self.save()
         self.write_metrics()
 
-    def record_warm_start(self, rec: StageRecord) -> None:
+    def record_warm_start(self, rec: StageRecord, made: Path | None = None) -> None:
         self.manifest.warm_start = rec
+        self._finished(made)
         self.save()
 
     def record_heldout(self, k: int | None, result: HeldOut, baselines: dict[str, HeldOut]) -> None:

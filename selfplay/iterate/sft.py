@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
+from selfplay.fileio import refuse_link
 from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of, get_game
 from selfplay.generate.config import SIZE_HELP, size_of_the_game
 from selfplay.generate.teacher import (
@@ -237,7 +238,7 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
             f"the sources gave {table.num_rows} rows ({sources}), fewer than one mini-batch of "
             f"{config.mini_batch_size}; add games, lower --min-reward or --mini-batch-size"
         )
-    path = data / "rows.parquet"
+    path = refuse_link(data / "rows.parquet")
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd")
     tmp.replace(path)
@@ -251,7 +252,8 @@ def sft(config: SFTConfig, on_step=None) -> SFTResult:
     from selfplay.train.publish import check_new_output
     from selfplay.train.sft import train_sft
 
-    check_new_output(config.out)  # before the teacher plays a single game
+    # before the teacher plays a single game; an earlier sft's rows folder is resumed, not refused
+    check_new_output(config.out, own=(DATA_DIR,))
     chat = load_chat_format(config.model)
     new = not config.data_dir.exists()
     try:

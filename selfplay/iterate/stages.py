@@ -206,10 +206,7 @@ def train_stage(
     _hold(cfg.run_dir, "train")
     if done["convert"].skip_reason:
         return StageRecord.since(started, skip_reason="no training signal", info={})
-    out = cfg.checkpoint_dir(k)
-    if out.exists():  # a train killed mid-way: its output never counted
-        log.warning("round %d: removing the unfinished checkpoint %s", k, out)
-        shutil.rmtree(out)
+    out = cfg.checkpoint_dir(k)  # the loop cleared the way (Run.claim: its own leftovers only)
     options = cfg.train.model_dump(include=set(TrainerOptions.model_fields))
     options["save_verl_checkpoint"] = cfg.train.keep_checkpoints != "none"
     if options["mini_batch_size"] is None and options["batch_size"] is None:

@@ -36,6 +36,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfplay.engines import ChatEngine, EngineFailure
+from selfplay.fileio import open_output
 from selfplay.players.partners import (
     DEFAULT_BASE_URL,
     DEFAULT_KEY_ENV,
@@ -145,7 +146,7 @@ class ReplyCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # one small write per line: lines never interleave, and flush makes it survive a kill
-        with self.path.open("ab") as f:
+        with open_output(self.path, "ab") as f:
             f.write(orjson.dumps({"key": key, "model": model, "text": text}) + b"\n")
             f.flush()
 
@@ -221,7 +222,7 @@ class PartnerClient:
         await self.engine.aclose()
         if self.config.usage_path is not None:
             line = {"time": time.time(), "model": self.name, **self.usage.as_dict()}
-            with self.config.usage_path.open("ab") as f:
+            with open_output(self.config.usage_path, "ab") as f:
                 f.write(orjson.dumps(line) + b"\n")
         log.info("partner %s: %s", self.name, self.usage.as_dict())
 

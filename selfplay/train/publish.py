@@ -1,7 +1,7 @@
 """Publishing a trained model: train into a hidden folder beside ``--out``, move the finished files
 in (``config.json``, which marks a complete model, last), so that a failed, killed or disk-full
-training leaves no half-written model; ``--out`` is never overwritten and a second train into it
-is refused at once.
+training leaves no half-written model; ``--out`` is never overwritten (it is a new or empty
+folder, or refused) and a second train into it is refused at once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from selfplay.errors import UserError
-from selfplay.fileio import output_lock
+from selfplay.fileio import atomic_write, output_lock
 from selfplay.train.batch import TrainDataError
 from selfplay.train.config import TrainConfig
 
@@ -36,16 +36,31 @@ METRICS_FILENAME = "metrics.json"
 
 
 class OutputExists(UserError, FileExistsError):
-    """--out already holds a model (it is never overwritten)."""
+    """--out already holds a model or other files (it is never overwritten)."""
 
 
-def check_new_output(out: Path) -> None:
+def check_new_output(out: Path, own: tuple[str, ...] = ()) -> None:
+    """Refuse an ``out`` that exists with anything in it but ``own`` (entries the command itself
+    writes there before training: sft's rows); a new or empty folder passes."""
     if (out / "config.json").exists():
         raise OutputExists(f"{out} already holds a model; choose another --out or delete it first")
+    if out.exists() and not out.is_dir():
+        raise OutputExists(f"{out} exists and is not a folder; choose another --out")
+    others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.exists() else []
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise OutputExists(
+            f"{out} already holds files this command did not write ({shown}); the model's "
+            "files would replace any of the same name, so --out must be a new or empty folder: "
+            "choose another --out, or move those files away"
+        )
 
 
 def _check_out(cfg: TrainConfig) -> None:
-    check_new_output(cfg.out)
+    own: tuple[str, ...] = ()
+    with contextlib.suppress(ValueError):  # rows kept inside --out (sft's) are its own
+        own = Path(cfg.data).resolve().relative_to(cfg.out.resolve()).parts[:1]
+    check_new_output(cfg.out, own)
     if cfg.resume_from is not None and not Path(cfg.resume_from).is_dir():
         raise TrainDataError(f"--resume-from {cfg.resume_from} is not a verl checkpoint directory")
 
@@ -97,7 +112,7 @@ def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult])
         result.checkpoint_dir = out / result.checkpoint_dir.relative_to(partial)
     metrics = json.loads(result.metrics_path.read_text())
     metrics["config"]["out"] = str(out)
-    result.metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    atomic_write(result.metrics_path, json.dumps(metrics, indent=2) + "\n")
     return result
 
 
