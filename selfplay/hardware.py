@@ -12,7 +12,7 @@ The probe also reads oneDNN's instruction-set cap (``ONEDNN_MAX_CPU_ISA``, the l
 computes bf16 matmuls with on CPU): a cap below AVX512_CORE_BF16 leaves bf16 emulated, so the
 rule picks fp32. With ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 ATEN_CPU_CAPABILITY=avx2`` a native-bf16 machine computes as an AVX2-only one does
-(README, "What the demo shows": `make demo` timed that way).
+(README, "The two commands": `make demo` timed that way).
 
 ``SELFPLAY_NATIVE_BF16=1`` or ``=0`` overrides the CPU probe (tests pin fp32 with it so that
 every machine computes the same numbers); an explicit dtype always wins over the rule.

@@ -1,5 +1,5 @@
 """Faults a user meets, each a real subprocess on the tiny primed model, killed the way a user's
-run would be. The README's fault table names these tests.
+run would be. The fault table (docs/guide/faults.md) names these tests.
 
 - generate: games.jsonl ends in plan order whatever order the games finished in, so a resumed
   run writes the same file (rows, model) as an uninterrupted one; a write that fails (a full disk,

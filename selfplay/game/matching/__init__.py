@@ -131,7 +131,8 @@ class MatchingGapsGame(MatchingRankedGame):
     """matching-ranked with the cells a seat does not know listed after its known ones, one a line
     in table order, in a direct question's words ("Not known to you:" / "Ava Li on GloVe"). The
     same rules, scenarios, rewards and scripted players; ``scripted:asker`` asks about those cells
-    in that order, so each of its questions copies the next line of the list (README, "Asking")."""
+    in that order, so each of its questions copies the next line of the list
+    (docs/experiments/asking.md)."""
 
     name = "matching-gaps"
     table_format = "gaps"
@@ -145,7 +146,8 @@ class MatchingNotesGame(MatchingGapsGame):
     know ("Ava Li on GloVe: 375."), that seat is also shown its known cells merged with every such
     answer so far, one a line, highest first (``prompts.NOTES_HEADER``). The picks after asking
     are then read off a list, as the first picks are read off the table, instead of merged in the
-    model's head. Same rules, scenarios, rewards and scripted decisions (README, "Asking")."""
+    model's head. Same rules, scenarios, rewards and scripted decisions
+    (docs/experiments/asking.md)."""
 
     name = "matching-notes"
     notes = True
@@ -163,7 +165,7 @@ class MatchingAdviceGame(MatchingGapsGame):
     to the model is the choice this game is for: ask about an unknown cell or propose the advice.
     ``scripted:advised`` never asks and proposes the advice, ``scripted:advised-asker`` asks
     first (beside shy-strict, 3x3, 20 actions: 0.651 against 0.741). Same rules, scenarios and
-    rewards (README, "Asking")."""
+    rewards (docs/experiments/asking.md)."""
 
     name = "matching-advice"
     table_format = "advice"

@@ -11,7 +11,7 @@ plays a fixed policy:
   its own scaled value; judges proposals honestly by its own view: accepts one worth at least 0.8
   of the best it can see (unknown cells at its mean known value), rejects the others.
 - ``shy-strict``: ``shy`` whose bar is 0.9, so that proposing until it accepts pays less and
-  asking more (README, "Asking": where asking pays against shy).
+  asking more (docs/experiments/asking.md: where asking pays against shy).
 - ``random``: proposes a random valid assignment; accepts or rejects at random.
 - ``inquisitive``: asks its partner direct questions (one reviewer, one paper) about the cells it
   does not know that could change the best assignment (after one question on a cell it knows, to
