@@ -9,12 +9,14 @@ model it started from, every scripted baseline's, all on the same scenarios) the
 - **behaviour identity**: "plays like X in K of N games": games whose actions (seat, kind, text
   or proposal) equal X's on the same scenario, for the start and every baseline;
 - **when it asks**: each scenario's value of asking (an asking scripted player's reward minus
-  ``proposer``'s there; ``ASKERS``), and the model's first decision (ask or propose) and
-  questions per game in the scenarios where asking pays against those where it does not.
+  ``proposer``'s there; ``ASKERS``), and the model's first decision (ask or propose), its
+  probability of asking on the first turn (``first_decision``) and questions per game in the
+  scenarios where asking pays against those where it does not.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +32,54 @@ ASKERS = ("advised-asker", "inquisitive")
 
 @dataclass(frozen=True)
 class AskingSplit:
-    """The model's asking where asking pays (``pays``) and where it does not (``not_pays``)."""
+    """The model's asking where asking pays (first of each pair) and where it does not."""
 
-    scenarios: tuple[int, int]  # (pays, does not)
+    scenarios: tuple[int, int]
     first_asks: tuple[float, float]  # share of games whose model seat asks before proposing
     questions: tuple[float, float]  # the model seat's questions per game
+    p_ask: tuple[float, float]  # mean first-turn probability of asking (nan: no tokenizer)
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _tokenizer(path: str):
+    """The tokenizer of a seat's model (its path in the record), or None where it is not here."""
+    if path not in _TOKENIZERS:
+        try:
+            from transformers import AutoTokenizer
+
+            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+        except Exception:  # a model of another machine, or an API name: no probabilities
+            _TOKENIZERS[path] = None
+    return _TOKENIZERS[path]
+
+
+def first_decision(game: GameRecord, tokenizer=None) -> float | None:
+    """The model seat's probability of asking on its first turn: the action tag it generated
+    first ("[message]" or "[propose]") has probability p, the product of its tokens'
+    behaviour probabilities up to the one that closes the tag; p(ask) is p after "[message]",
+    1 - p after "[propose]" (the two tags are the first turn's choices; a greedy model's p is
+    the probability of the choice it made). None without tokens, a tokenizer or a tag."""
+    seat = _model_seat(game)
+    tokens = game.tokens[seat]
+    tokenizer = tokenizer or (_tokenizer(game.seats[seat].name) if tokens else None)
+    if tokens is None or tokenizer is None or 1 not in tokens.mask:
+        return None
+    start = tokens.mask.index(1)
+    end = start
+    while end < len(tokens.mask) and tokens.mask[end] == 1:
+        end += 1
+    for stop in range(start + 1, min(end, start + 8) + 1):
+        text = tokenizer.decode(tokens.token_ids[start:stop]).strip().lower()
+        if "]" in text:
+            p = math.exp(sum(tokens.logprobs[start:stop]))
+            if text.startswith("[message]"):
+                return p
+            if text.startswith("[propose]"):
+                return 1.0 - p
+            return None
+    return None
 
 
 def _by_scenario(path: Path) -> dict[str, GameRecord]:
@@ -91,8 +136,15 @@ def asking_split(
             return float("nan")
         return sum(questions_by_seat(model[s])[_model_seat(model[s])] for s in ids) / len(ids)
 
+    def p_ask(ids: list[str]) -> float:
+        ps = [p for s in ids if (p := first_decision(model[s])) is not None]
+        return sum(ps) / len(ps) if ps else float("nan")
+
     return AskingSplit(
-        (len(pays), len(rest)), (share(pays), share(rest)), (questions(pays), questions(rest))
+        (len(pays), len(rest)),
+        (share(pays), share(rest)),
+        (questions(pays), questions(rest)),
+        (p_ask(pays), p_ask(rest)),
     )
 
 
@@ -127,16 +179,18 @@ def panel(model: Path, start: Path | None, baselines: dict[str, Path], split: st
         p, a = baselines[PROPOSER], baselines[asker]
         split_ = asking_split(games, _by_scenario(p), _by_scenario(a)) if p.is_file() else None
         if split_ is not None and a.is_file():
-            (np_, nn), (fp, fn), (qp, qn) = split_.scenarios, split_.first_asks, split_.questions
+            (np_, nn), (fp, fn) = split_.scenarios, split_.first_asks
+            (qp, qn), (pp, pn) = split_.questions, split_.p_ask
             md += [
                 "",
                 f"When it asks: asking pays (scripted {asker} above {PROPOSER}) in {np_} "
                 f"scenarios and not in {nn}.",
                 "",
-                "| scenarios | first decision is a question | questions per game |",
-                "|---|---|---|",
-                f"| asking pays ({np_}) | {fp:.2f} | {qp:.2f} |",
-                f"| asking does not pay ({nn}) | {fn:.2f} | {qn:.2f} |",
+                "| scenarios | first decision is a question | p(ask) on the first turn "
+                "| questions per game |",
+                "|---|---|---|---|",
+                f"| asking pays ({np_}) | {fp:.2f} | {pp:.2f} | {qp:.2f} |",
+                f"| asking does not pay ({nn}) | {fn:.2f} | {pn:.2f} | {qn:.2f} |",
             ]
     return [*md, ""]
 
