@@ -839,3 +839,20 @@ def test_a_proposal_cap_ends_the_game_with_no_deal_at_the_last_rejection():
         agreed = p.outcome == "accepted" and proposals <= 2
         assert c.reward == (p.reward if agreed else 0.0)
         assert c.outcome == (p.outcome if proposals <= 2 else "no_deal")
+
+
+def test_advised_beside_shy_strict_agrees_once_no_rejected_proposal_comes_back():
+    """The learning audit's case: advised beside shy-strict on matching-advice (3x3, 20 actions,
+    eval seed 1001, 96 games) looped on re-shown rejected proposals; with the exact view every
+    game agrees (at least 0.97), and no game proposes a rejected assignment again."""
+    from selfplay.evaluate.scripted import play_scripted
+    from selfplay.game import GAMES
+
+    games = play_scripted(
+        GAMES["matching-advice"], ("advised", "shy-strict"), num_games=96, seed=1001, n=3,
+        max_actions=20,
+    )  # fmt: skip
+    assert sum(g.outcome == "accepted" for g in games) / 96 >= 0.97
+    for g in games:
+        proposals = [tuple(a.proposal) for a in g.actions if a.kind == "propose" and a.valid]
+        assert len(proposals) == len(set(proposals))
