@@ -102,6 +102,9 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
         # verl announces every optional engine it lacks (megatron, ...) on import: noise here
         warnings.filterwarnings("ignore", message=r".* engine is not available")
         warnings.filterwarnings("ignore", category=DeprecationWarning)
+        # transformers' and the hub's bars (weights loading, shards written, GGUF converted):
+        # a line each per model load; our own stage progress says what is happening
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _check_engine(kind: str, url: str | None) -> None:
@@ -120,6 +123,7 @@ def _engine(kind: str, url: str | None, opts: dict, model: str, **server):
     if kind == "hf":
         return build(HF, opts, model=model)
     if kind in SERVERS:
+        server.setdefault("deterministic", bool(opts.get("deterministic")))
         return build(SERVERS[kind], opts, model=model, url=url, **server)
     return engine_config_class(kind)(model=model)
 

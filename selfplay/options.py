@@ -289,7 +289,7 @@ def explain(e: ValidationError, spec: Fields | type[BaseModel]) -> str:
 # The commands' options: which config fields each command takes (cli.py declares the commands).
 HF = Fields(
     HFEngineConfig,
-    include=("device", "dtype", "max_batch_size", "prefix_cache_tokens"),
+    include=("device", "dtype", "max_batch_size", "prefix_cache_tokens", "deterministic"),
     override={"dtype": {"prefix": "hf, vllm: "}},
     prefix="hf: ",
 )

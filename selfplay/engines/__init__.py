@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal, Protocol, Union
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from selfplay.errors import EngineFailure
 from selfplay.hardware import ComputeDtype
@@ -167,6 +167,24 @@ class HFEngineConfig(BaseModel):
         description="tokens of finished turns kept as KV cache, so a seat's next turn prefills "
         "only its new tokens (0: off; default: a quarter of the free memory).",
     )
+    # Batched rows are not batch-invariant: which requests share a step changes the padded
+    # shapes, and with them the float sums of a row's logits (about 1e-6), which can flip a
+    # sampled token; which requests share a step depends on timing. Decoding every request
+    # alone, its whole conversation prefilled each turn, makes a game's tokens a function of its
+    # seed and model only, at any concurrency.
+    deterministic: bool = Field(
+        False,
+        description="reproducible games at any --concurrency: each request decoded alone, no "
+        "prefix cache (max batch 1, prefix cache 0); slower. A launched sglang or vllm server "
+        "gets its batch-invariant mode (GPU).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deterministic(cls, data):
+        if isinstance(data, dict) and data.get("deterministic"):
+            return {**data, "max_batch_size": 1, "prefix_cache_tokens": 0}
+        return data
 
 
 class ServerEngineConfig(BaseModel):
@@ -193,6 +211,9 @@ class ServerEngineConfig(BaseModel):
     retries: int = Field(4, ge=0)
     backoff_s: float = Field(1.0, ge=0)
     max_connections: int = Field(1024, ge=1)
+    # the server's own batch-invariant mode (SGLang --enable-deterministic-inference, vLLM
+    # VLLM_BATCH_INVARIANT=1; GPU only, by their docs): set from hf's --deterministic
+    deterministic: bool = False
 
     @field_validator("url")
     @classmethod

@@ -49,6 +49,8 @@ class SGLangEngine(ServerEngine):
         ]
         if c.mem_fraction is not None:
             cmd += ["--mem-fraction-static", str(c.mem_fraction)]
+        if c.deterministic:  # batch-invariant kernels: a request's tokens never depend on others
+            cmd.append("--enable-deterministic-inference")
         return cmd + list(c.extra_args)
 
     def probe_hint(self, answer: str) -> str:

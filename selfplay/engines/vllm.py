@@ -119,6 +119,8 @@ class VLLMEngine(ServerEngine):
     def environment(self) -> dict[str, str]:
         c = self.config
         env = {"VLLM_SERVER_DEV_MODE": "1"}  # /collective_rpc and /reset_prefix_cache
+        if c.deterministic:  # batch-invariant kernels (vLLM docs: Hopper or newer GPUs)
+            env["VLLM_BATCH_INVARIANT"] = "1"
         if not self.gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(c.cpu_kv_cache_gb)))
             if c.cpu_threads is not None:

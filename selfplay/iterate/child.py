@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -74,15 +75,21 @@ class _LogProgress:
             self.update(stats)
 
 
-def _stage_progress(label: str):
-    import sys
+# The run's log file (data/RUN/run.log), set by the loop before its first stage: a stage child
+# (not under -v) sends its stdout and stderr there, so verl's, torch's and transformers' prints,
+# warnings and bars are kept in the file and the console shows this package's lines only.
+STAGE_LOG_ENV = "SELFPLAY_STAGE_LOG"
+_console = None  # the child's console stream (its stderr before it went to the log file)
 
-    if sys.stderr.isatty():
+
+def _stage_progress(label: str):
+    console = _console or sys.stderr
+    if console.isatty():
         from rich.console import Console
 
         from selfplay.generate.runner import RichProgress
 
-        return RichProgress(Console(stderr=True))
+        return RichProgress(Console(file=console))
     return _LogProgress(label)
 
 
@@ -92,8 +99,34 @@ def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
     run_generate(gen_cfg, engine_cfg, _stage_progress(f"round {gen_cfg.round} generate"))
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _quiet_to(path: str) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2: prints, warnings, C++
+    notes, progress bars of every library) to ``path``, and this package's log records to the
+    console as well (a handler on the ``selfplay`` logger over a copy of the old stderr)."""
+    import sys
+
+    from selfplay.fileio import open_output
+
+    global _console
+    _console = os.fdopen(os.dup(2), "w", buffering=1)
+    with open_output(path, "ab") as f:
+        for fd in (1, 2):
+            os.dup2(f.fileno(), fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    ours = logging.StreamHandler(_console)
+    ours.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger("selfplay").addHandler(ours)
+
+
 def _child_logging(level: int) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = os.environ.get(STAGE_LOG_ENV)
+    if path and level > logging.DEBUG:
+        _quiet_to(path)
+    logging.basicConfig(level=level, format=LOG_FORMAT)
     if level > logging.DEBUG:  # as the CLI does: verl's notes on engines it lacks are noise
         import warnings
 

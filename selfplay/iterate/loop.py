@@ -28,9 +28,10 @@ finished games, convert and train start over (their outputs are only ever rename
 from __future__ import annotations
 
 import logging
+import os
 
 from selfplay.fileio import folder_lock
-from selfplay.iterate.child import Generate, StageChild, _default_generate
+from selfplay.iterate.child import STAGE_LOG_ENV, Generate, StageChild, _default_generate
 from selfplay.iterate.config import IterateConfig
 from selfplay.iterate.heldout import (
     heldout_due,
@@ -66,6 +67,10 @@ def iterate(
 
 def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> Run:
     run = Run(config, force=force)  # the manifest: only this loop records into it
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # -v: everything on the console
+        stage_log = config.run_dir / "run.log"
+        os.environ[STAGE_LOG_ENV] = str(stage_log)
+        log.info("the stages' library output (verl, torch, transformers) goes to %s", stage_log)
     start = config.model
     if config.warm_start is not None:
         if (held := heldout_stage(config, None, config.model, run.manifest)) is not None:
