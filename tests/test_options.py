@@ -240,7 +240,7 @@ def test_sft_and_convert_options_reach_their_configs(monkeypatch, tmp_path):
         (["generate", "--model", "m", "--top-p", "0"], "--top-p", "greater than 0"),
         (["train", "--model", "m", "--loss-agg", "mean"], "--loss-agg", "token-mean"),
         (["iterate", "--model", "m", "--ray-address", "auto"], "--ray-address", "--gpus"),
-        (["iterate", "--model", "m", "--name", "a b"], "--name", "pattern"),
+        (["iterate", "--model", "m", "--name", "a b"], "--name", "letters, digits"),
         (["sft", "--model", "m", "--out", "o", "--clone", "3"], "--clone", "'both', '1' or '2'"),
     ],
 )
