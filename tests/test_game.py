@@ -719,7 +719,7 @@ def test_ranked_assignments_are_all_best_first_and_best_untried_is_exact(n, seed
     every assignment was rejected."""
     import math
 
-    from selfplay.game.matching.rules import _murty, best_untried, ranked_assignments
+    from selfplay.game.matching.assignments import best_untried, murty_ranking, ranked_assignments
 
     rng = np.random.default_rng(seed)
     estimate = rng.integers(0, 6, (n, n)).astype(float)  # small values: many ties
@@ -732,7 +732,7 @@ def test_ranked_assignments_are_all_best_first_and_best_untried_is_exact(n, seed
         assert sorted(r for r, _ in pairs) == sorted(p for _, p in pairs) == list(range(n))
         assert v == sum(estimate[r, p] for r, p in pairs)
     if n <= 5:
-        murty = list(_murty(estimate))
+        murty = list(murty_ranking(estimate))
         assert len(murty) == math.factorial(n) == len(list(ranked_assignments(estimate)))
         assert [v for v, _ in murty] == [v for v, _ in ranked_assignments(estimate)]
     rejected = [pairs for _, pairs in ranked[: data.draw(st.integers(0, k - 1))]]
