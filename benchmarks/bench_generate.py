@@ -380,16 +380,16 @@ def part_g(args) -> list[tuple]:
     import torch
     from transformers import Cache
 
-    from selfplay.engines import HFEngineConfig
-    from selfplay.engines import hf as hf_module
+    from selfplay.engines import HFEngineConfig, hf_cpu
+    from selfplay.engines.hf import HFEngine, PreallocatedLayer, plain_cache_layers
     from selfplay.models import resolve_model
 
     model = resolve_model(args.model)
-    engine = hf_module.HFEngine(HFEngineConfig(model=model, device="cpu", dtype="fp32"))
+    engine = HFEngine(HFEngineConfig(model=model, device="cpu", dtype="fp32"))
     rows, cpu, width = args.rows, engine.model.config, args.kv
-    default = hf_module.WEIGHT_MAJOR_MAX_ROWS
-    cache = Cache(layers=[hf_module._PreallocatedLayer(width + args.steps + 1) for _ in range(
-        hf_module._plain_cache_layers(engine.model))])  # fmt: skip
+    default = hf_cpu.WEIGHT_MAJOR_MAX_ROWS
+    cache = Cache(layers=[PreallocatedLayer(width + args.steps + 1) for _ in range(
+        plain_cache_layers(engine.model))])  # fmt: skip
     attn = torch.ones(rows, width, dtype=torch.long)
     ids = torch.randint(cpu.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
     steps: dict[str, list[float]] = {"F.linear": [], "weight-major": []}
@@ -399,7 +399,7 @@ def part_g(args) -> list[tuple]:
         pos = torch.full((rows,), width - 1)
         for i in range(args.steps + 2):
             layout = ("F.linear", "weight-major")[i % 2]
-            hf_module.WEIGHT_MAJOR_MAX_ROWS = 0 if layout == "F.linear" else default
+            hf_cpu.WEIGHT_MAJOR_MAX_ROWS = 0 if layout == "F.linear" else default
             attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=1)
             pos = pos + 1
             start = time.perf_counter()
@@ -407,7 +407,7 @@ def part_g(args) -> list[tuple]:
                          past_key_values=cache, use_cache=True)  # fmt: skip
             if i >= 2:
                 steps[layout].append(time.perf_counter() - start)
-    hf_module.WEIGHT_MAJOR_MAX_ROWS = default
+    hf_cpu.WEIGHT_MAJOR_MAX_ROWS = default
     plain, major = (1000 * statistics.median(steps[k]) for k in ("F.linear", "weight-major"))
     return [(
         "(g) decoding step, the layouts alternating", f"{Path(model).name}, {rows} rows over "

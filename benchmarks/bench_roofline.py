@@ -130,14 +130,14 @@ def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
 
 def linear_seconds(rows: int, dtype, repeats: int) -> float:
     """One forward pass's linear layers (SHAPES) at ``rows`` rows, in the layout the CPU engine
-    uses (selfplay.engines.hf._weight_major_linears): the median time of each, times its count
+    uses (selfplay.engines.hf_cpu.weight_major_linears): the median time of each, times its count
     per pass, summed."""
-    from selfplay.engines.hf import _weight_major_linears
+    from selfplay.engines.hf_cpu import weight_major_linears
 
     total = 0.0
     for _, k, n, count in SHAPES:
         layer = torch.nn.Linear(k, n, bias=False).to(dtype)
-        _weight_major_linears(layer)
+        weight_major_linears(layer)
         x = torch.randn(rows, k).to(dtype)
         with torch.inference_mode():
             total += median_seconds(functools.partial(layer, x), 2, repeats) * count

@@ -286,7 +286,7 @@ def explain(e: ValidationError, spec: Fields | type[BaseModel]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The commands' options: which config fields each command takes (cli.py declares the commands).
+# The commands' options: which config fields each command takes (selfplay.commands has them).
 HF = Fields(
     HFEngineConfig,
     include=("device", "dtype", "max_batch_size", "prefix_cache_tokens", "deterministic"),

@@ -189,7 +189,7 @@ def test_hf_prompts_that_start_alike_share_one_prefill_of_their_common_prefix(hf
     message), one of another, and an unrelated prompt in one batch: the common prefix is
     prefilled once, every row equals the same request run alone with the cache off, and the
     prefix stays kept for a later game of the scenario."""
-    from selfplay.engines.hf import MIN_SHARED_PREFIX, _common_prefix
+    from selfplay.engines.hf_prefill import MIN_SHARED_PREFIX, common_prefix
 
     eos = (hf.tokenizer.eos_token_id,)
     rules = "You review papers. Table: Ava Li on BLEU 320, Sofia Patel on GloVe 122. " * 3
@@ -205,7 +205,7 @@ def test_hf_prompts_that_start_alike_share_one_prefill_of_their_common_prefix(hf
     engine = fresh(hf)
     gens = run(gather_close(engine, reqs))
     unique = [r.prompt_ids for r in reqs[:-1]]
-    shared = min(_common_prefix(unique[0], u) for u in unique[1:4])
+    shared = min(common_prefix(unique[0], u) for u in unique[1:4])
     assert shared >= MIN_SHARED_PREFIX
     assert engine._batcher.batches == 1
     assert engine.prefilled_tokens + engine.reused_tokens == sum(map(len, unique))
@@ -293,7 +293,7 @@ def test_hf_requests_join_a_running_batch_and_match_single_requests(hf):
 
 
 def test_shared_prefix_groups_and_length_buckets():
-    from selfplay.engines.hf import MIN_SHARED_PREFIX, _length_buckets, _shared_prefix_groups
+    from selfplay.engines.hf_prefill import MIN_SHARED_PREFIX, length_buckets, shared_prefix_groups
 
     base, other = tuple(range(100)), tuple(range(1000, 1100))
     sys_prompt = tuple(range(5000, 5000 + MIN_SHARED_PREFIX))
@@ -302,16 +302,16 @@ def test_shared_prefix_groups_and_length_buckets():
         + [(*sys_prompt, *other, k) for k in (1, 2)]
         + [(7,) * 50]
     )
-    groups = _shared_prefix_groups(prompts)
+    groups = shared_prefix_groups(prompts)
     # two runs of one scenario each (saving 2 x 132 + 1 x 132 tokens), not one run over the
     # system prompt that all five share (4 x 32)
     assert [(b - a, n) for a, b, n in groups] == [(3, 132), (2, 132)]
     assert all(len(set(p[:n] for p in prompts[a:b])) == 1 for a, b, n in groups)
-    assert _shared_prefix_groups([base, base[:MIN_SHARED_PREFIX]]) == []  # keeps one own token
-    assert _shared_prefix_groups([(*base[:40], 1), (*base[:40], 2)]) == [(0, 2, 40)]
-    assert _length_buckets([400, 390, 60, 55, 40, 20]) == [(0, 2), (2, 6)]
-    assert _length_buckets([60, 40, 10]) == [(0, 3)]  # spares 50 positions: not worth a pass
-    assert _length_buckets([]) == []
+    assert shared_prefix_groups([base, base[:MIN_SHARED_PREFIX]]) == []  # keeps one own token
+    assert shared_prefix_groups([(*base[:40], 1), (*base[:40], 2)]) == [(0, 2, 40)]
+    assert length_buckets([400, 390, 60, 55, 40, 20]) == [(0, 2), (2, 6)]
+    assert length_buckets([60, 40, 10]) == [(0, 3)]  # spares 50 positions: not worth a pass
+    assert length_buckets([]) == []
 
 
 def test_prefix_cache_takes_the_longest_prefix_and_evicts_within_its_budget():
@@ -341,19 +341,19 @@ def test_prefix_cache_takes_the_longest_prefix_and_evicts_within_its_budget():
 
 
 def test_hf_prefix_cache_budget_defaults_to_a_share_of_free_memory(hf, monkeypatch):
-    from selfplay.engines import hf as hf_module
+    from selfplay.engines import hf_kv
 
     c = hf.model.config
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * heads * head_dim * hf.model.dtype.itemsize
-    monkeypatch.setattr(hf_module, "available_memory", lambda device: 64 * 2**30)
+    monkeypatch.setattr(hf_kv, "available_memory", lambda device: 64 * 2**30)
     assert fresh(hf, prefix_cache_tokens=None).prefix_cache.budget_tokens == (
         16 * 2**30 // per_token
     )
-    monkeypatch.setattr(hf_module, "available_memory", lambda device: 2**20)
+    monkeypatch.setattr(hf_kv, "available_memory", lambda device: 2**20)
     assert fresh(hf, prefix_cache_tokens=None).prefix_cache.budget_tokens == 65536  # the floor
-    monkeypatch.setattr(hf_module, "available_memory", lambda device: None)
+    monkeypatch.setattr(hf_kv, "available_memory", lambda device: None)
     assert fresh(hf, prefix_cache_tokens=None).prefix_cache.budget_tokens == 65536
     assert fresh(hf, prefix_cache_tokens=1000).prefix_cache.budget_tokens == 1000
     assert fresh(hf, prefix_cache_tokens=0).prefix_cache is None
@@ -420,12 +420,12 @@ def test_weight_major_linears_compute_each_linear_layer_to_float_rounding():
     """The CPU engine's linear layers (W @ x^T up to WEIGHT_MAJOR_MAX_ROWS rows): the same
     product as F.linear, with and without bias, for 1-D to 3-D inputs; more rows and other
     dtypes are F.linear itself."""
-    from selfplay.engines.hf import WEIGHT_MAJOR_MAX_ROWS, _weight_major_linears
+    from selfplay.engines.hf_cpu import WEIGHT_MAJOR_MAX_ROWS, weight_major_linears
 
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([torch.nn.Linear(24, 40), torch.nn.Linear(24, 40, bias=False)])
     half = torch.nn.Linear(24, 40).to(torch.bfloat16)
-    _weight_major_linears(torch.nn.ModuleList([*layers, half]))
+    weight_major_linears(torch.nn.ModuleList([*layers, half]))
     assert all("forward" in m.__dict__ for m in layers) and "forward" not in half.__dict__
     shapes = [(24,), (1, 24), (5, 24), (2, 7, 24), (WEIGHT_MAJOR_MAX_ROWS + 1, 24)]
     with torch.inference_mode():

@@ -436,7 +436,7 @@ def test_gaps_view_lists_the_unknown_cells_and_the_askers_questions_copy_them_in
     from selfplay.evaluate.scripted import evaluate_scripted
     from selfplay.game import GAMES
     from selfplay.game.matching.prompts import GAPS_HEADER, TABLE_HEADER
-    from selfplay.game.matching.scripted import _QUESTION
+    from selfplay.game.matching.scripted_ask import QUESTION
 
     gaps, ranked = GAMES["matching-gaps"], GAMES["matching-ranked"]
     for seed in range(20):
@@ -460,7 +460,7 @@ def test_gaps_view_lists_the_unknown_cells_and_the_askers_questions_copy_them_in
             asked = []
             for _ in range(2 * s.n):
                 move = asker.decide()
-                asked += [f"{name} on {paper}" for name, paper in _QUESTION.findall(move)]
+                asked += [f"{name} on {paper}" for name, paper in QUESTION.findall(move)]
                 if not move.startswith("[message]") or "?" not in move:
                     break
                 reply = asyncio.run(shy.act(f"Partner: {move}"))
@@ -483,7 +483,8 @@ def test_late_asker_asks_only_after_a_rejection_then_proposes_its_picks_with_the
     from selfplay.game import GAMES
     from selfplay.game.matching.prompts import unknown_cells
     from selfplay.game.matching.questions import parse_answers
-    from selfplay.game.matching.scripted import _QUESTION, greedy_picks, parse_picks
+    from selfplay.game.matching.scripted import greedy_picks, parse_picks
+    from selfplay.game.matching.scripted_ask import QUESTION
 
     game = GAMES["matching-gaps"]
     games = play_scripted(game, ("late-asker", "shy-strict"), num_games=40, seed=5, n=3,
@@ -492,8 +493,8 @@ def test_late_asker_asks_only_after_a_rejection_then_proposes_its_picks_with_the
     for g in games:
         acts = g.actions
         first = next(i for i, a in enumerate(acts) if a.seat == 0 and a.kind == "propose")
-        assert not any(_QUESTION.findall(a.text) for a in acts[:first] if a.seat == 0)
-        questions = [q for a in acts if a.seat == 0 for q in _QUESTION.findall(a.text)]
+        assert not any(QUESTION.findall(a.text) for a in acts[:first] if a.seat == 0)
+        questions = [q for a in acts if a.seat == 0 for q in QUESTION.findall(a.text)]
         if first + 1 >= len(acts) or acts[first + 1].kind != "reject":
             accepted_first += 1
             assert questions == []
@@ -617,7 +618,7 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
         estimate_table,
         parse_proposal,
     )
-    from selfplay.game.matching.scripted import _QUESTION
+    from selfplay.game.matching.scripted_ask import QUESTION
 
     game, gaps = GAMES["matching-advice"], GAMES["matching-gaps"]
     counts = {"answer": 0, "reject": 0, "asked": 0, "left": 0}
@@ -647,7 +648,7 @@ def test_advice_view_shows_the_best_untried_proposal_and_the_advised_players_cop
             text = asyncio.run(players[seat].act(observation))
             if seat == 0 and text.startswith("[propose]"):
                 assert text == "[propose] " + advice
-            asks = _QUESTION.findall(text) if seat == 0 else []
+            asks = QUESTION.findall(text) if seat == 0 else []
             if asks:
                 if left is not None:
                     assert f"{asks[0][0]} on {asks[0][1]}" == left[0]
@@ -718,7 +719,7 @@ def test_ranked_assignments_are_all_best_first_and_best_untried_is_exact(n, seed
     every assignment was rejected."""
     import math
 
-    from selfplay.game.matching.rules import _murty, best_untried, ranked_assignments
+    from selfplay.game.matching.assignments import best_untried, murty_ranking, ranked_assignments
 
     rng = np.random.default_rng(seed)
     estimate = rng.integers(0, 6, (n, n)).astype(float)  # small values: many ties
@@ -731,7 +732,7 @@ def test_ranked_assignments_are_all_best_first_and_best_untried_is_exact(n, seed
         assert sorted(r for r, _ in pairs) == sorted(p for _, p in pairs) == list(range(n))
         assert v == sum(estimate[r, p] for r, p in pairs)
     if n <= 5:
-        murty = list(_murty(estimate))
+        murty = list(murty_ranking(estimate))
         assert len(murty) == math.factorial(n) == len(list(ranked_assignments(estimate)))
         assert [v for v, _ in murty] == [v for v, _ in ranked_assignments(estimate)]
     rejected = [pairs for _, pairs in ranked[: data.draw(st.integers(0, k - 1))]]

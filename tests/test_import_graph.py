@@ -42,7 +42,8 @@ FLOORS = (
     ("iterate",),
     ("options",),  # the face: which config fields each command takes
     ("recipe",),  # a command's options read from a file (--config)
-    ("cli",),
+    ("commands",),  # the commands, a module per group
+    ("cli",),  # the app: registers the commands
     ("__main__",),
 )
 

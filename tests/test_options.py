@@ -13,13 +13,25 @@ from pydantic import BaseModel, Field
 from pydantic_core import PydanticUndefined
 from typer.testing import CliRunner
 
-from selfplay import cli
 from selfplay.cli import app
+from selfplay.commands import train as train_commands
 from selfplay.convert import ConvertOptions
 from selfplay.engines import SGLangEngineConfig
 from selfplay.generate.config import GenerateConfig
 from selfplay.iterate.config import IterateConfig, TrainOptions
-from selfplay.options import Fields, build, options
+from selfplay.options import (
+    EVAL,
+    GENERATE,
+    HF,
+    ITERATE,
+    SFT,
+    SGLANG,
+    TRAIN,
+    VLLM,
+    Fields,
+    build,
+    options,
+)
 from selfplay.records import SamplingParams
 
 COMMANDS = typer.main.get_command(app).commands
@@ -101,11 +113,11 @@ def test_the_shared_options_are_many():
 
 
 SPECS = {
-    "eval": [cli.EVAL, cli.SGLANG, cli.VLLM],
-    "generate": [cli.GENERATE, cli.HF, cli.SGLANG, cli.VLLM],
-    "iterate": [cli.ITERATE, cli.HF, cli.SGLANG, cli.VLLM],
-    "train": [cli.TRAIN],
-    "sft": [cli.SFT],
+    "eval": [EVAL, SGLANG, VLLM],
+    "generate": [GENERATE, HF, SGLANG, VLLM],
+    "iterate": [ITERATE, HF, SGLANG, VLLM],
+    "train": [TRAIN],
+    "sft": [SFT],
     "convert": [Fields(ConvertOptions)],
 }
 
@@ -160,7 +172,7 @@ def _capture(monkeypatch) -> dict:
     monkeypatch.setattr("selfplay.generate.runner.run_generate", catch("generate"))
     monkeypatch.setattr("selfplay.iterate.iterate", catch("iterate"))
     monkeypatch.setattr("selfplay.convert.convert", catch("convert"))
-    monkeypatch.setattr(cli, "tracked", lambda logger, cfg, *a: catch("tracked")(cfg))
+    monkeypatch.setattr(train_commands, "tracked", lambda logger, cfg, *a: catch("tracked")(cfg))
     return seen
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from selfplay import cli
 from selfplay.cli import app, parse_iterate
+from selfplay.commands import train as train_commands
 from selfplay.iterate.config import config_identity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_a_warm_start_sft_table_builds_the_model_first_once(recipe, here, monkey
         seen["sft"] = cfg
         raise KeyboardInterrupt  # stop here: the command says so and exits 130
 
-    monkeypatch.setattr(cli, "tracked", sft_stops)
+    monkeypatch.setattr(train_commands, "tracked", sft_stops)
     monkeypatch.setattr("selfplay.iterate.iterate", lambda cfg, **_: seen.setdefault("run", cfg))
     model = _recipe_model(recipe)
     res = CliRunner().invoke(app, ["iterate", "--config", str(recipe)])

@@ -134,16 +134,16 @@ def test_shy_strict_rejects_what_shy_accepts_between_its_two_bars():
     import numpy as np
 
     from selfplay.game.matching.rules import best_assignment, format_proposal
-    from selfplay.game.matching.scripted import _expected, _value
+    from selfplay.game.matching.scripted_base import assignment_value, expected_table
 
     seen = set()
     for seed in range(60):
         s = generate_scenario(seed, 3)
-        own = _expected(s.view(1))
+        own = expected_table(s.view(1))
         best = best_assignment(own)[1]  # the bar's base, as shy computes it
         for perm in itertools.permutations(range(3)):
             pairs = list(enumerate(perm))
-            share = _value(own, pairs) / best
+            share = assignment_value(own, pairs) / best
             if share <= 0.8 or np.isclose(share, 0.9):  # below both bars, or on shy-strict's
                 continue
             move = "Partner: [propose] " + format_proposal(pairs, s.n)

@@ -1,0 +1,74 @@
+"""CPU layouts for the HF engine: SDPA attention that never copies KV heads, and linear layers
+computed weight-major for a decoding step's few rows.
+
+Both change how a product is laid out, not what it is: results agree with transformers' own
+layers to float rounding. The engine installs them on CPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+
+def grouped_sdpa() -> str:
+    """Register and name SDPA attention that never copies KV heads for query groups.
+
+    transformers' SDPA repeats each KV head for its query group whenever there is a padding
+    mask (torch's CUDA kernels cannot combine GQA with a mask), which on CPU copies the whole KV
+    cache at every decoding step of a padded batch. torch's CPU kernels take ``enable_gqa`` with a
+    mask: a decoding step of 32 rows over 500 tokens took 2.0 ms instead of 5-6 ms on the tiny
+    test model and 262 ms instead of 460 ms with SmolLM2-135M's shapes (one thread).
+    """
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        causal = kw.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=query.shape[2] > 1 and attention_mask is None and causal,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    name = "selfplay_grouped_sdpa"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+# Up to this many rows a CPU linear layer runs as weight @ input^T (see weight_major_linears).
+WEIGHT_MAJOR_MAX_ROWS = 512
+
+
+def weight_major_linears(model) -> None:
+    """Make the model's fp32 linear layers compute ``(W @ x^T)^T`` for up to
+    ``WEIGHT_MAJOR_MAX_ROWS`` rows (a decoding step's rows, a prefill's last tokens).
+
+    ``F.linear`` asks MKL for ``x @ W^T``; the product laid out as ``W @ x^T`` made a whole
+    decoding step faster on the AVX2 EPYC (SmolLM2-135M, 64 rows over ~470 KV positions, 2
+    threads, the layouts alternating step by step: 518 -> 459 ms, benchmarks/bench_generate.py
+    part g; the 64 games of `bench_roofline.py --stages`' generate: 145 and 159 s -> 138 and 138
+    s). Isolated at one shape with its weights out of cache, neither layout was clearly faster.
+    Same product, other summation order: results agree to float rounding. Other dtypes, and
+    more rows (a long prefill, where both layouts ran alike), keep ``F.linear``.
+    """
+
+    def forward(self, x):
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if x.dtype != torch.float32 or not 0 < rows <= WEIGHT_MAJOR_MAX_ROWS:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
+            module.forward = forward.__get__(module)

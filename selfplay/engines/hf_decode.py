@@ -1,0 +1,283 @@
+"""The HF engine's decoding loop: concurrent requests decoded in padded batches.
+
+Prompts are left-padded into one batch (``hf_prefill``); each decoding step samples every row with
+its own temperature, top-p and seeded generator, records log-softmax(logits / temperature) of the
+sampled token (before top-p renormalisation, as SGLang reports it), and drops finished rows
+from the batch and the KV cache. A row is answered as soon as it finishes, and requests that
+arrived since (a game's next turn) join the running batch once they would add half as many rows
+again: they are prefilled apart and both batches' KV left-padded into one cache. Identical
+prompts in one batch (the games of a GRPO group start alike) are prefilled once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+from selfplay.engines import EngineRequestError, Generation, GenerationRequest, HFEngineConfig
+from selfplay.engines.batching import Batcher, Reply
+from selfplay.engines.hf_kv import PreallocatedLayer, pad_left, row_kv
+from selfplay.engines.hf_prefill import Prefill
+
+
+class DecodeLoop(Prefill):
+    """The decoding half of ``HFEngine`` (a base class: the engine sets, besides what
+    ``Prefill`` names, ``config``, ``tokenizer``, ``max_context``, ``_batcher`` (whose worker
+    thread runs ``_run_batch``) and the counters ``generated_tokens``, ``decode_batches`` and
+    ``decode_kv_by_rows``)."""
+
+    config: HFEngineConfig
+    max_context: int | None
+    generated_tokens: int
+    decode_batches: Counter[int]
+    decode_kv_by_rows: Counter[int]
+    _batcher: Batcher
+
+    def _run_batch(self, requests: list[GenerationRequest], replies: list[Reply]) -> None:
+        admitted = self._admit(requests, replies)
+        if admitted[0]:
+            with torch.inference_mode():
+                self._decode(*admitted)
+
+    def _admit(
+        self, requests: list[GenerationRequest], replies: list[Reply]
+    ) -> tuple[list[GenerationRequest], list[Reply], list[int]]:
+        """The requests that fit, their replies and token budgets; the others are answered
+        with an error."""
+        kept: tuple[list[GenerationRequest], list[Reply], list[int]] = ([], [], [])
+        for r, reply in zip(requests, replies):
+            room = r.max_new_tokens
+            if self.max_context is not None:
+                room = min(room, self.max_context - len(r.prompt_ids))
+            if not r.prompt_ids or room < 1:
+                reply(
+                    EngineRequestError(
+                        f"prompt of {len(r.prompt_ids)} tokens leaves no room to generate "
+                        f"(model context {self.max_context})"
+                    )
+                )
+                continue
+            kept[0].append(r)
+            kept[1].append(reply)
+            kept[2].append(room)
+        return kept
+
+    def _decode(
+        self, requests: list[GenerationRequest], replies: list[Reply], budget: list[int]
+    ) -> None:
+        run = self._start(requests, replies, budget)
+        while True:
+            if self._batcher.stopping.is_set():
+                return
+            self._sample_step(run)
+            if not run.live:
+                return  # what waits now starts a batch of its own
+            joining = self._waiting_to_join(run.live)
+            if joining:
+                new = self._admit(*self._batcher.take_waiting(joining))
+                if new[0]:
+                    more = self._start(*new)
+                    self._sample_step(more)
+                    if more.live:
+                        run = self._merge(run, more)
+            run.attn = torch.cat([run.attn, run.attn.new_ones((len(run.active), 1))], dim=1)
+            run.last_pos = run.last_pos + 1
+            if self.max_context is not None:  # a dead row's position may run past the context
+                run.last_pos = run.last_pos.clamp(max=self.max_context - 1)
+            self.decode_batches[run.attn.shape[0]] += 1
+            self.decode_kv_by_rows[run.attn.shape[0]] += run.attn.numel()
+            out = self.model(
+                input_ids=run.tok[:, None],
+                attention_mask=run.attn,
+                position_ids=run.last_pos[:, None],
+                past_key_values=run.cache,
+                use_cache=True,
+            )
+            run.logits = out.logits[:, -1, :]
+
+    def _waiting_to_join(self, active: int) -> int:
+        """How many waiting requests to take into a running batch of ``active`` rows now (0:
+        none). Joining copies the batch's KV cache into a wider one, so requests join when
+        they would add half as many rows again (or fill the batch); models whose cache cannot
+        be spliced (``plain_cache_layers``) never join."""
+        if not self._cache_layers:
+            return 0
+        joining = min(self._batcher.waiting, self.config.max_batch_size - active)
+        return joining if joining >= max(1, active // 2) else 0
+
+    def _start(
+        self, requests: list[GenerationRequest], replies: list[Reply], budget: list[int]
+    ) -> _Running:
+        """Prefill the requests into a new running batch (its first logits ready to sample)."""
+        dev = self.device
+        # Identical prompts (the games of a GRPO group all start alike) are prefilled once.
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in requests]
+        cache, logits, attn, last_pos = self._prefill(list(first), max(budget))
+        if len(first) < len(requests):
+            index = torch.tensor(source, device=dev)
+            cache.batch_select_indices(index)
+            logits, attn, last_pos = logits[index], attn[index], last_pos[index]
+        return _Running(
+            requests=list(requests),
+            replies=list(replies),
+            budget=list(budget),
+            gens=[_generator(r.seed) for r in requests],
+            stops=[frozenset(r.stop_token_ids) for r in requests],
+            out_ids=[[] for _ in requests],
+            out_lp=[[] for _ in requests],
+            active=list(range(len(requests))),
+            cache=cache,
+            logits=logits,
+            attn=attn,
+            last_pos=last_pos,
+            temps=torch.tensor([r.temperature for r in requests], device=dev),
+            top_p=torch.tensor([r.top_p for r in requests], device=dev),
+            tok=logits.new_zeros(0, dtype=torch.long),
+        )
+
+    def _sample_step(self, run: _Running) -> None:
+        """Sample every live row's next token (``run.tok``) and answer the rows that finished
+        (their KV kept in the prefix cache). A finished row stays in the batch, dead (row -1),
+        until a quarter of the batch is: dropping rows copies the whole KV cache, which cost a
+        quarter of a 128-game run when done at every finish, while a dead row costs one row of
+        each decoding step."""
+        live = run.live_positions()
+        u = torch.full((len(run.active),), 0.5)  # a dead row's draw: never used
+        u[live] = torch.stack([torch.rand((), generator=run.gens[run.active[b]]) for b in live])
+        tok, lp = _sample(run.logits.float(), run.temps, run.top_p, u.to(self.device))
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        for b in live:
+            row = run.active[b]
+            run.out_ids[row].append(tok_l[b])
+            run.out_lp[row].append(lp_l[b])
+            if tok_l[b] in run.stops[row]:
+                reason = "stop"
+            elif len(run.out_ids[row]) >= run.budget[row]:
+                reason = "length"
+            else:
+                continue
+            if self.prefix_cache is not None:
+                fed = (*run.requests[row].prompt_ids, *run.out_ids[row][:-1])
+                self.prefix_cache.put(fed, row_kv(run.cache, b, run.attn[b]))
+            self._finish(row, run.requests, run.replies, run.out_ids, run.out_lp, reason)
+            run.active[b] = -1
+        run.tok = tok
+        keep = run.live_positions()
+        dead = len(run.active) - len(keep)
+        if dead and (not keep or 4 * dead >= len(run.active)):
+            if keep:
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                run.cache.batch_select_indices(index)
+                run.attn, run.tok = run.attn[index], run.tok[index]
+                run.temps, run.top_p = run.temps[index], run.top_p[index]
+                run.last_pos = run.last_pos[index]
+            run.active = [run.active[b] for b in keep]
+
+    def _merge(self, a: _Running, b: _Running) -> _Running:
+        """One running batch of ``a``'s live rows then ``b``'s (dead ones dropped): each row's
+        KV and mask left-padded to the longer of the two, in a cache with room for every row's
+        remaining budget."""
+        width = max(a.attn.shape[1], b.attn.shape[1])
+        live = [torch.tensor(x.live_positions(), device=self.device) for x in (a, b)]
+        offset = len(a.requests)
+        for name in ("requests", "replies", "budget", "gens", "stops", "out_ids", "out_lp"):
+            getattr(a, name).extend(getattr(b, name))
+        a.active = [row for row in a.active if row >= 0]
+        a.active += [offset + row for row in b.active if row >= 0]
+        room = max(a.budget[row] - len(a.out_ids[row]) for row in a.active)
+        a.cache = Cache(
+            layers=[
+                PreallocatedLayer.stacked([(la, live[0]), (lb, live[1])], width, width + room)
+                for la, lb in zip(a.cache.layers, b.cache.layers)
+            ]
+        )
+        a.attn = torch.cat([pad_left(x.attn[i], width, dim=1) for x, i in zip((a, b), live)])
+        for name in ("last_pos", "temps", "top_p", "tok"):  # (the logits: sampled already)
+            setattr(a, name, torch.cat([getattr(x, name)[i] for x, i in zip((a, b), live)]))
+        return a
+
+    def _finish(self, row, requests, replies, out_ids, out_lp, reason) -> None:
+        self.generated_tokens += len(out_ids[row])
+        replies[row](
+            Generation(
+                token_ids=out_ids[row],
+                logprobs=out_lp[row],
+                finish_reason=reason,
+                text=self.tokenizer.decode(
+                    out_ids[row], skip_special_tokens=True, clean_up_tokenization_spaces=False
+                ),
+                prompt_tokens=len(requests[row].prompt_ids),
+            )
+        )
+
+
+@dataclass
+class _Running:
+    """A batch being decoded. Lists are by row (the order the requests came in, joined ones
+    after); ``active`` names the row at each batch position, and the tensors (the KV cache, the
+    attention mask, the next logits or sampled tokens, positions, sampling settings) follow the
+    batch positions; a finished row's position holds -1 until the batch drops it."""
+
+    requests: list[GenerationRequest]
+    replies: list[Reply]
+    budget: list[int]
+    gens: list[torch.Generator]
+    stops: list[frozenset[int]]
+    out_ids: list[list[int]]
+    out_lp: list[list[float]]
+    active: list[int]
+    cache: Cache
+    logits: torch.Tensor
+    attn: torch.Tensor
+    last_pos: torch.Tensor
+    temps: torch.Tensor
+    top_p: torch.Tensor
+    tok: torch.Tensor
+
+    def live_positions(self) -> list[int]:
+        """Batch positions of the rows still decoding (a finished row stays as -1 until the
+        batch is compacted)."""
+        return [b for b, row in enumerate(self.active) if row >= 0]
+
+    @property
+    def live(self) -> int:
+        return len(self.live_positions())
+
+
+def _generator(seed: int | None):
+    g = torch.Generator()
+    g.manual_seed(int(seed) % (2**63) if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+    return g
+
+
+def _sample(logits, temps, top_p, u):
+    """Inverse-CDF sampling with per-row temperature and top-p; returns (tokens, logprobs).
+
+    Temperature 0 is greedy (its log-prob is the plain log-softmax). The log-prob is taken before
+    the top-p cut, the convention of SGLang and vLLM.
+    """
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    probs = logp.exp()
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        sorted_p = sorted_p.masked_fill(cum - sorted_p > top_p[:, None], 0.0)
+        cum = sorted_p.cumsum(-1)
+        pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).clamp(
+            max=cum.shape[1] - 1
+        )
+        tok = order.gather(1, pick)[:, 0]
+    else:
+        cum = probs.cumsum(-1)
+        tok = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0].clamp(
+            max=cum.shape[1] - 1
+        )
+    tok = torch.where(greedy, scaled.argmax(-1), tok)
+    return tok, logp.gather(1, tok[:, None])[:, 0]
