@@ -106,12 +106,14 @@ def not_json_server() -> Iterator[str]:
 @dataclass
 class Reply:
     """One answer of ``stub_server``; ``drip_s``: send the body a byte at a time, this far apart
-    (its content-length says the whole body, so the client waits for the rest)."""
+    (its content-length says the whole body, so the client waits for the rest); ``length``
+    False: no content-length, the body ends when the connection closes (HTTP/1.0)."""
 
     status: int = 200
     body: bytes = b"{}"
     headers: dict[str, str] = field(default_factory=dict)
     drip_s: float | None = None
+    length: bool = True
 
 
 class _Stub(BaseHTTPRequestHandler):
@@ -131,7 +133,8 @@ class _Stub(BaseHTTPRequestHandler):
         reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
         self.send_response(reply.status)
         self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(reply.body)))
+        if reply.length:
+            self.send_header("content-length", str(len(reply.body)))
         for name, value in reply.headers.items():
             self.send_header(name, value)
         self.end_headers()

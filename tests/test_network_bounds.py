@@ -223,13 +223,15 @@ def test_an_engine_that_drips_its_answer_fails_within_its_deadline(caplog):
     assert seen == ["/generate"] * 3
 
 
-def test_an_engine_answer_over_its_cap_fails_only_its_request(monkeypatch, caplog):
-    """A 200 answer over the generation cap (lowered here to 64 KiB): a request error (the game
-    ends with outcome error), not retried, nothing of it in the message."""
+@pytest.mark.parametrize("length", [True, False], ids=["said-in-its-header", "read-to-the-cap"])
+def test_an_engine_answer_over_its_cap_fails_only_its_request(monkeypatch, caplog, length):
+    """A 200 answer over the generation cap (lowered here to 64 KiB), its length in its header
+    or not (then read up to the cap): a request error (the game ends with outcome error), not
+    retried, nothing of it in the message."""
     monkeypatch.setattr(bounded, "MAX_GENERATION_BYTES", 64 << 10)
     huge = b'{"text": "' + b"Q" * (1 << 20) + b'"}'
     with (
-        stub_server([Reply(body=ANSWER), Reply(body=huge)]) as (url, seen),
+        stub_server([Reply(body=ANSWER), Reply(body=huge, length=length)]) as (url, seen),
         caplog.at_level(logging.WARNING),
         pytest.raises(EngineRequestError) as err,
     ):

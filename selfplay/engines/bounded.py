@@ -99,6 +99,9 @@ async def fetch(
             async with client.stream(method, path, **kwargs) as r:
                 error = r.status_code >= 400
                 limit = MAX_ERROR_BYTES if error else max_bytes
+                declared = r.headers.get("content-length", "")
+                if not error and declared.isdigit() and int(declared) > limit:
+                    raise AnswerTooLarge(path, limit)  # said before a byte of it is read
                 chunks: list[bytes] = []
                 read = 0
                 cut = False
@@ -113,7 +116,8 @@ async def fetch(
                 content = b"".join(chunks)[:limit]
                 return Answer(r.status_code, r.headers, content, path, cut)
     except TimeoutError:
-        raise httpx.ReadTimeout(f"no whole answer within {timeout_s:.3g} s") from None
+        seconds = f"{timeout_s:.2f}".rstrip("0").rstrip(".")
+        raise httpx.ReadTimeout(f"no whole answer within {seconds} s") from None
 
 
 def retry_wait(backoff_s: float, retry_after: str | None) -> tuple[float, str]:
