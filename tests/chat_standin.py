@@ -33,7 +33,8 @@ class ChatStandIn:
     def __init__(self, reply: Callable[[dict], str] = shy_reply) -> None:
         self.reply = reply
         self.requests: list[dict] = []  # {"headers": {...}, "body": {...}, "status": int}
-        self._fail: list[tuple[int, str | None]] = []  # (status, message) still to answer
+        # (status, message, Retry-After) still to answer
+        self._fail: list[tuple[int, str | None, str]] = []
         self._lock = threading.Lock()
         self.app = FastAPI()
         self.app.post("/v1/chat/completions")(self._complete)
@@ -47,11 +48,17 @@ class ChatStandIn:
         )
         self._thread: threading.Thread | None = None
 
-    def fail_next(self, times: int, status: int = 429, message: str | None = None) -> None:
-        """Answer the next ``times`` requests with ``status`` (and Retry-After: 0 for 429), the
+    def fail_next(
+        self,
+        times: int,
+        status: int = 429,
+        message: str | None = None,
+        retry_after: str = "0",
+    ) -> None:
+        """Answer the next ``times`` requests with ``status`` (and ``Retry-After`` for 429), the
         error saying ``message`` (default: ``stand-in says STATUS``)."""
         with self._lock:
-            self._fail.extend([(status, message)] * times)
+            self._fail.extend([(status, message, retry_after)] * times)
 
     @property
     def answered(self) -> list[dict]:
@@ -61,10 +68,10 @@ class ChatStandIn:
     async def _complete(self, request: Request) -> JSONResponse:
         body = await request.json()
         with self._lock:
-            status, message = self._fail.pop(0) if self._fail else (200, None)
+            status, message, retry_after = self._fail.pop(0) if self._fail else (200, None, "0")
             self.requests.append({"headers": dict(request.headers), "body": body, "status": status})
         if status != 200:
-            headers = {"retry-after": "0"} if status == 429 else {}
+            headers = {"retry-after": retry_after} if status == 429 else {}
             return JSONResponse(
                 {"error": {"message": message or f"stand-in says {status}"}},
                 status,

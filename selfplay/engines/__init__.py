@@ -207,7 +207,10 @@ class ServerEngineConfig(BaseModel):
         description="seconds to wait for the server's /health (a launched server loads the "
         "model first; an attached URL that refuses connections fails at once).",
     )
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)  # one attempt, sent and read whole
+    # one generation: every attempt and wait together (a server that drips its answer a byte at a
+    # time, or keeps failing, fails the run within it)
+    deadline_s: float = Field(1800.0, gt=0)
     retries: int = Field(4, ge=0)
     backoff_s: float = Field(1.0, ge=0)
     max_connections: int = Field(1024, ge=1)

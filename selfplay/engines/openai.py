@@ -2,10 +2,14 @@
 
 Messages in, one assistant text out (the ``ChatEngine`` protocol). The API key is read from an
 environment variable at construction and lives only in the request header: it is never logged,
-never put into an error message and never recorded. Transport errors, 429 and 5xx answers are
-retried with exponential backoff (honouring Retry-After); when the retries are spent the engine
-raises ``EngineFailure``. 401, 403 and 404 (a bad key, no access, a wrong model or URL) fail every
-request alike, so they raise ``EngineFailure`` too; other 4xx answers raise ``EngineRequestError``.
+never put into an error message and never recorded. Transport errors, timeouts, 429 and 5xx
+answers are retried with exponential backoff (honouring Retry-After up to a cap), each failed
+attempt one warning; every attempt must be whole within ``request_timeout_s`` and the call within
+``deadline_s`` (``bounded``: a server that drips its answer a byte at a time times out too). When
+the retries or the deadline are spent the engine raises ``EngineFailure``. 401, 403 and 404 (a
+bad key, no access, a wrong model or URL) fail every request alike, so they raise
+``EngineFailure`` too; other 4xx answers raise ``EngineRequestError``, and so does an answer over
+``MAX_CHAT_BYTES`` (never read further, parsed or kept: the game ends with outcome ``error``).
 Every text from the server (error texts and the answers themselves) has the key, and every piece
 of it, blanked out before it is cut short, logged or stored (``servertext``).
 The engine counts what it spent: ``requests`` (HTTP attempts), ``retries``, ``prompt_tokens`` and
@@ -14,15 +18,14 @@ The engine counts what it spent: ``requests`` (HTTP attempts), ``retries``, ``pr
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from selfplay.engines import EngineFailure, EngineRequestError, FinishReason
+from selfplay.engines import EngineFailure, EngineRequestError, FinishReason, bounded
+from selfplay.engines.bounded import Answer, AnswerTooLarge, Attempts, fetch
 from selfplay.engines.servertext import redact, server_text
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,8 @@ class OpenAIEngineConfig(BaseModel):
     model: str  # e.g. gpt-4.1
     base_url: str = "https://api.openai.com/v1"
     api_key_env: str = "OPENAI_API_KEY"  # the variable's name, never its value
-    request_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0)  # one attempt, sent and read whole
+    deadline_s: float = Field(300.0, gt=0)  # one call: every attempt and wait together
     retries: int = Field(5, ge=0)
     backoff_s: float = Field(1.0, ge=0)
     max_connections: int = Field(64, ge=1)
@@ -88,21 +92,44 @@ class OpenAIEngine:
         }
         c = self.config
         problem = ""
-        for attempt in range(c.retries + 1):
-            if attempt:
+        attempts = Attempts(
+            f"{self.name} at {c.base_url}",
+            retries=c.retries,
+            backoff_s=c.backoff_s,
+            request_timeout_s=c.request_timeout_s,
+            deadline_s=c.deadline_s,
+        )
+        for k in attempts:
+            if k > 1:
                 self.retries += 1
             self.requests += 1
             try:
-                r = await self._client.post("/chat/completions", json=body)
+                r = await fetch(
+                    self._client,
+                    "POST",
+                    "/chat/completions",
+                    json=body,
+                    timeout_s=attempts.timeout(),
+                    max_bytes=bounded.MAX_CHAT_BYTES,
+                )
             except (httpx.TransportError, httpx.TimeoutException) as e:
-                problem = type(e).__name__
-                await self._backoff(attempt, None)
-                continue
+                problem = f"{type(e).__name__}: {server_text(str(e), 200, [self._key])}"
+                if await attempts.failed(problem.rstrip(": ")):
+                    continue
+                break
+            except AnswerTooLarge as e:
+                # the same request would get the same answer: not retried; the game ends with
+                # outcome error and nothing of the answer is kept
+                raise EngineRequestError(
+                    f"{self.name} at {c.base_url}: {e}, the most a chat answer may have; "
+                    "nothing of it is kept. Lower the partner's max_tokens, or check what the "
+                    "server at that URL sends"
+                ) from None
             if r.status_code == 429 or r.status_code >= 500:
-                problem = f"HTTP {r.status_code}"
-                log.warning("%s: %s (attempt %d)", self.name, problem, attempt + 1)
-                await self._backoff(attempt, r.headers.get("retry-after"))
-                continue
+                problem = f"HTTP {r.status_code}: {server_text(_error_text(r), 200, [self._key])}"
+                if await attempts.failed(problem, r.headers.get("retry-after")):
+                    continue
+                break
             if r.status_code >= 400:
                 unset = "" if self.has_key else f" (${c.api_key_env} is not set)"
                 message = (
@@ -133,24 +160,17 @@ class OpenAIEngine:
             finish = "length" if choice.get("finish_reason") == "length" else "stop"
             return text, finish
         raise EngineFailure(
-            f"{self.name} at {c.base_url} failed {c.retries + 1} times (last: {problem})"
+            f"{self.name} at {c.base_url} {attempts.summary(problem)}; check that the server "
+            "at that URL is up and answering"
         )
-
-    async def _backoff(self, attempt: int, retry_after: str | None) -> None:
-        if attempt >= self.config.retries:
-            return
-        delay = self.config.backoff_s * 2**attempt
-        if retry_after:
-            with contextlib.suppress(ValueError):
-                delay = max(delay, float(retry_after))
-        await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
-def _error_text(r: httpx.Response) -> str:
-    """The server's error message, whole: ``server_text`` redacts it before it is cut."""
+def _error_text(r: Answer) -> str:
+    """The server's error message (of the body's capped head): ``server_text`` redacts it before
+    it is cut."""
     try:
         body = r.json()
     except ValueError:

@@ -7,9 +7,14 @@ about the model, and sends one 1-token probe so that a server that rejects our p
 the run once instead of failing every game. ``generate`` posts ``payload(request)`` to
 ``GENERATE_PATH`` and reads the answer with ``parse``, which a subclass writes for its wire format.
 
+Every request goes through ``bounded.fetch``: its answer must be whole within a deadline (a server
+that drips bytes times out) and within a size cap (a generation over ``MAX_GENERATION_BYTES``, an
+error body cut at ``MAX_ERROR_BYTES``), so no answer is read, logged or stored whole past it.
+
 Failures: connection errors, timeouts, 5xx answers and aborted requests are retried with
-exponential backoff; when the retries are spent, or a launched server has exited, ``EngineFailure``
-says so (with the tail of the server log). A 4xx answer is the request's own fault
+exponential backoff, one warning per failed attempt, all within ``deadline_s``; when the retries or
+the deadline are spent, or a launched server has exited, ``EngineFailure`` says so (with the tail
+of the server log). A 4xx answer is the request's own fault, and so is a generation over its cap
 (``EngineRequestError``: that game ends with outcome ``error``). A launched server is always shut
 down by ``aclose`` (SIGTERM to its group, then SIGKILL), and at interpreter exit as a last resort.
 """
@@ -36,7 +41,9 @@ from selfplay.engines import (
     Generation,
     GenerationRequest,
     ServerEngineConfig,
+    bounded,
 )
+from selfplay.engines.bounded import Answer, AnswerTooLarge, Attempts, fetch
 from selfplay.engines.servertext import server_text
 
 log = logging.getLogger(__name__)
@@ -99,9 +106,9 @@ class ServerEngine:
     async def served_model(self) -> dict | None:
         """The first entry of ``/v1/models`` (None when the server gives none)."""
         try:
-            r = await self.client().get("/v1/models", timeout=10.0)
+            r = await fetch(self.client(), "GET", "/v1/models", timeout_s=10.0)
             models = r.json().get("data") if r.status_code == 200 else None
-        except (*RETRYABLE, ValueError, AttributeError):
+        except (*RETRYABLE, AnswerTooLarge, ValueError, AttributeError):
             return None
         return models[0] if models and isinstance(models[0], dict) else None
 
@@ -199,7 +206,7 @@ class ServerEngine:
             if reason:
                 raise EngineFailure(f"{self.LABEL} server did not come up: {reason}")
             try:
-                r = await self._client.get("/health", timeout=5.0)
+                r = await fetch(self._client, "GET", "/health", timeout_s=5.0)
                 if r.status_code == 200:
                     break
                 last = f"HTTP {r.status_code}"
@@ -210,7 +217,7 @@ class ServerEngine:
                         "there, fix --engine-url, or leave it out to launch one"
                     ) from e
                 last = f"{type(e).__name__}: {e}"
-            except RETRYABLE as e:
+            except (*RETRYABLE, AnswerTooLarge) as e:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() > deadline:
                 raise EngineFailure(
@@ -226,8 +233,8 @@ class ServerEngine:
     async def _probe(self) -> None:
         body = self.payload(GenerationRequest([0], max_new_tokens=1, temperature=1.0, seed=0))
         try:
-            r = await self.client().post(self.GENERATE_PATH, json=body, timeout=120.0)
-        except RETRYABLE as e:
+            r = await self.post(body, timeout_s=min(120.0, self.config.deadline_s))
+        except (*RETRYABLE, AnswerTooLarge) as e:
             raise EngineFailure(
                 f"{self.LABEL} server at {self.url}: probe request failed: {e}"
             ) from e
@@ -238,14 +245,26 @@ class ServerEngine:
             )
         self.parse(self.answer_json(r), 1)  # raises when the answer is not in the format we read
 
-    def answer_json(self, r: httpx.Response):
+    async def post(self, body: dict | None, *, timeout_s: float, path: str | None = None) -> Answer:
+        """POST ``body`` (JSON; None: no body) to ``path`` (``GENERATE_PATH``): the whole answer
+        within ``timeout_s`` and ``MAX_GENERATION_BYTES`` (see ``bounded.fetch``)."""
+        return await fetch(
+            self.client(),
+            "POST",
+            path or self.GENERATE_PATH,
+            timeout_s=timeout_s,
+            max_bytes=bounded.MAX_GENERATION_BYTES,
+            **({"json": body} if body is not None else {}),
+        )
+
+    def answer_json(self, r: Answer):
         """A 200 answer's JSON; one that is not JSON (a proxy's page, another server at the URL)
         fails saying what the server sent, instead of a bare JSONDecodeError."""
         try:
             return r.json()
         except ValueError:
             raise EngineFailure(
-                f"{self.LABEL} server at {self.url} answered {r.request.url.path} with something "
+                f"{self.LABEL} server at {self.url} answered {r.path} with something "
                 f"that is not JSON: {server_text(r.text, 200)!r}; check that --engine-url is a "
                 f"{self.LABEL} server"
             ) from None
@@ -266,26 +285,38 @@ class ServerEngine:
     # -- requests ----------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> Generation:
-        client = self.client()
         body = self.payload(request)
         c = self.config
         problem = ""
-        for attempt in range(c.retries + 1):
-            if attempt:
-                await asyncio.sleep(c.backoff_s * 2 ** (attempt - 1))
+        attempts = Attempts(
+            f"{self.LABEL} request",
+            retries=c.retries,
+            backoff_s=c.backoff_s,
+            request_timeout_s=c.request_timeout_s,
+            deadline_s=c.deadline_s,
+        )
+        for _ in attempts:
             reason = self._server_exit()
             if reason:
                 raise EngineFailure(f"{self.LABEL} server at {self.url} died: {reason}")
             try:
-                r = await client.post(self.GENERATE_PATH, json=body)
+                r = await self.post(body, timeout_s=attempts.timeout())
             except RETRYABLE as e:
                 problem = f"{type(e).__name__}: {e}".rstrip(": ")
-                log.warning("%s request failed (attempt %d): %s", self.LABEL, attempt + 1, problem)
-                continue
+                if await attempts.failed(problem):
+                    continue
+                break
+            except AnswerTooLarge as e:
+                # the same request would get the same answer: only this game fails
+                raise EngineRequestError(
+                    f"{self.LABEL} at {self.url}: {e}, the most a generation may have; lower "
+                    "max_new_tokens, or check what the server at that URL sends"
+                ) from None
             if r.status_code >= 500:
                 problem = f"HTTP {r.status_code}: {server_text(r.text, 300)}"
-                log.warning("%s request failed (attempt %d): %s", self.LABEL, attempt + 1, problem)
-                continue
+                if await attempts.failed(problem):
+                    continue
+                break
             if r.status_code >= 400:
                 raise EngineRequestError(
                     f"{self.LABEL} refused a request: HTTP {r.status_code}: "
@@ -294,13 +325,14 @@ class ServerEngine:
             gen = self.parse(self.answer_json(r), len(request.prompt_ids))
             if gen.finish_reason == "abort":
                 problem = f"request aborted by the server ({gen.meta.get('finish_reason')})"
-                log.warning("%s request aborted (attempt %d)", self.LABEL, attempt + 1)
-                continue
+                if await attempts.failed(problem):
+                    continue
+                break
             self.generated_tokens += len(gen.token_ids)
             return gen
         reason = self._server_exit()
         raise EngineFailure(
-            f"{self.LABEL} server at {self.url} failed {c.retries + 1} times: {problem}"
+            f"{self.LABEL} server at {self.url} {attempts.summary(problem)}"
             + (f"; {reason}" if reason else "")
         )
 

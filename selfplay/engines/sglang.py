@@ -17,6 +17,7 @@ import logging
 import httpx
 
 from selfplay.engines import EngineFailure, Generation, GenerationRequest, SGLangEngineConfig
+from selfplay.engines.bounded import AnswerTooLarge, fetch
 from selfplay.engines.server import RETRYABLE, ServerEngine
 from selfplay.engines.servertext import server_text
 
@@ -111,8 +112,8 @@ class SGLangEngine(ServerEngine):
         or the gateway's ``/workers``), else just this server."""
         for path in ("/list_workers", "/workers"):
             try:
-                r = await self.client().get(path, timeout=10.0)
-            except RETRYABLE:
+                r = await fetch(self.client(), "GET", path, timeout_s=10.0)
+            except (*RETRYABLE, AnswerTooLarge):
                 continue
             if r.status_code != 200:
                 continue
@@ -135,9 +136,19 @@ class SGLangEngine(ServerEngine):
         self.client()
         urls = await self.worker_urls()
         body = {"model_path": model_path, "flush_cache": True}
-        async with httpx.AsyncClient(timeout=self.config.request_timeout_s) as client:
+        timeout_s = min(self.config.request_timeout_s, self.config.deadline_s)
+        async with httpx.AsyncClient() as client:
             answers = await asyncio.gather(
-                *(client.post(f"{u}/update_weights_from_disk", json=body) for u in urls),
+                *(
+                    fetch(
+                        client,
+                        "POST",
+                        f"{u}/update_weights_from_disk",
+                        json=body,
+                        timeout_s=timeout_s,
+                    )
+                    for u in urls
+                ),
                 return_exceptions=True,
             )
         for url, r in zip(urls, answers):

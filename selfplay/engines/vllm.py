@@ -41,6 +41,7 @@ from selfplay.engines import (
     GenerationRequest,
     VLLMEngineConfig,
 )
+from selfplay.engines.bounded import AnswerTooLarge
 from selfplay.engines.server import RETRYABLE, ServerEngine
 from selfplay.engines.servertext import server_text
 
@@ -141,15 +142,16 @@ class VLLMEngine(ServerEngine):
         likely next tokens are the same at temperature 1 and 0.5, and their log-probs lie twice
         as far apart at 0.5 when processed; raw ones are the same at both."""
         await super()._probe()
+        c = self.config
         gaps = []
         for t in (1.0, 0.5):
             req = GenerationRequest([1, 2, 3], max_new_tokens=1, temperature=t, seed=0)
-            r = await self.client().post(
-                self.GENERATE_PATH, json=self.payload(req) | {"logprobs": 2}
-            )
             try:
+                r = await self.post(
+                    self.payload(req) | {"logprobs": 2}, timeout_s=min(120.0, c.deadline_s)
+                )
                 top = sorted(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())
-            except (KeyError, TypeError, IndexError, ValueError) as e:
+            except (*RETRYABLE, AnswerTooLarge, KeyError, TypeError, IndexError, ValueError) as e:
                 raise EngineFailure(f"vLLM server at {self.url}: no top log-probs: {e}") from e
             gaps.append(top[-1] - top[-2] if len(top) > 1 else 0.0)
         if gaps[0] > 1e-4 and abs(gaps[1] - gaps[0]) < 1e-3 * gaps[0]:
@@ -219,13 +221,13 @@ class VLLMEngine(ServerEngine):
                 "Let selfplay launch the server (leave --engine-url out): each round then starts "
                 "one on its own checkpoint"
             )
-        client = self.client()
         body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+        timeout_s = min(self.config.request_timeout_s, self.config.deadline_s)
         try:
-            r = await client.post("/collective_rpc", json=body)
+            r = await self.post(body, timeout_s=timeout_s, path="/collective_rpc")
             if r.status_code == 200:
-                r = await client.post("/reset_prefix_cache")
-        except RETRYABLE as e:
+                r = await self.post(None, timeout_s=timeout_s, path="/reset_prefix_cache")
+        except (*RETRYABLE, AnswerTooLarge) as e:
             raise EngineFailure(f"vLLM server at {self.url}: weight reload failed: {e}") from e
         if r.status_code == 404:
             raise EngineFailure(

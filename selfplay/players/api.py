@@ -7,7 +7,9 @@ never becomes training rows.
 
 ``PartnerClient`` is the managed resource every API seat of a run shares:
 
-- bounded concurrency (a semaphore around the engine; the engine retries 429/5xx with backoff);
+- bounded concurrency (a semaphore around the engine; the engine retries 429/5xx with backoff,
+  within ``deadline_s`` per answer, and refuses an answer over its size cap: that game ends with
+  outcome ``error`` and nothing of the answer reaches the record or the cache);
 - a reply cache keyed by a SHA-256 of (model, sampling, system prompt and the dialogue so far),
   persisted as append-only JSONL (``OUT/partner_cache.jsonl``; a torn last line is dropped), so
   a resumed or repeated run replays answers it already paid for; identical requests in flight at
@@ -77,7 +79,8 @@ class ApiPartnerConfig(BaseModel):
     usage_path: Path | None = None  # on close, one JSON line of this run's PartnerUsage
     retries: int = Field(5, ge=0)
     backoff_s: float = Field(1.0, ge=0.0)
-    request_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0)  # one attempt, sent and read whole
+    deadline_s: float = Field(300.0, gt=0)  # one answer: every attempt and wait together
     drain_s: float = Field(30.0, ge=0.0)  # on close, wait this long for paid answers in flight
 
     @property
