@@ -43,6 +43,7 @@ from selfplay.engines import (
     ServerEngineConfig,
     bounded,
 )
+from selfplay.engines.answers import check_answer, vocab_size
 from selfplay.engines.bounded import Answer, AnswerTooLarge, Attempts, fetch
 from selfplay.engines.servertext import server_text
 
@@ -72,6 +73,7 @@ class ServerEngine:
             self.url = f"http://{config.host}:{config.port}"
             self._launch()
         self._client: httpx.AsyncClient | None = None
+        self.vocab = vocab_size(config.model)  # None: a hub id only the server resolves
         self._closed = False
         self.generated_tokens = 0
 
@@ -323,6 +325,7 @@ class ServerEngine:
                     f"{server_text(r.text, 500)}"
                 )
             gen = self.parse(self.answer_json(r), len(request.prompt_ids))
+            check_answer(gen, request, self.vocab, f"the {self.LABEL} server at {self.url}")
             if gen.finish_reason == "abort":
                 problem = f"request aborted by the server ({gen.meta.get('finish_reason')})"
                 if await attempts.failed(problem):

@@ -88,8 +88,8 @@ class SGLangEngine(ServerEngine):
             raise EngineFailure(
                 f"unexpected /generate answer (missing {e}); is return_logprob supported?"
             ) from e
-        ids = [int(p[1]) for p in pairs]
-        logprobs = [float(p[0]) if p[0] is not None else 0.0 for p in pairs]
+        ids = [p[1] for p in pairs]  # as sent: engines.answers.check_answer checks them
+        logprobs = [p[0] if p[0] is not None else 0.0 for p in pairs]
         expected = meta.get("completion_tokens")
         if expected is not None and expected != len(ids):
             raise EngineFailure(

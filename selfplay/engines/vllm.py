@@ -187,7 +187,7 @@ class VLLMEngine(ServerEngine):
         ``logprobs.token_logprobs`` (one per id, the stop token included)."""
         try:
             choice = data["choices"][0]  # type: ignore[index, call-overload]
-            ids = [int(i) for i in choice["token_ids"]]
+            ids = list(choice["token_ids"])  # as sent: engines.answers.check_answer checks them
             logprobs = choice["logprobs"]["token_logprobs"]
         except (KeyError, TypeError, IndexError) as e:
             raise EngineFailure(
@@ -203,7 +203,7 @@ class VLLMEngine(ServerEngine):
         usage = data.get("usage") or {}  # type: ignore[union-attr]
         return Generation(
             token_ids=ids,
-            logprobs=[float(x) if x is not None else 0.0 for x in logprobs],
+            logprobs=[x if x is not None else 0.0 for x in logprobs],
             finish_reason=reason,  # type: ignore[arg-type]
             text=choice.get("text", ""),
             prompt_tokens=usage.get("prompt_tokens", prompt_tokens),

@@ -105,6 +105,25 @@ def check_tokenizer(table: pa.Table, fingerprint: str, model: str) -> None:
         )
 
 
+def check_token_ids(table: pa.Table, vocab_size: int, path: str | Path, model: str) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` (a file from another model, or corrupted
+    bytes), naming the file, the column and the id, before any model weights are loaded."""
+    import pyarrow.compute as pc
+
+    for name in ("prompt_ids", "response_ids"):
+        ids = pc.list_flatten(table.column(name))
+        if len(ids) == 0:
+            continue
+        low, high = pc.min_max(ids).values()
+        if low.as_py() < 0 or high.as_py() >= vocab_size:
+            bad = low.as_py() if low.as_py() < 0 else high.as_py()
+            raise TrainDataError(
+                f"{path}: column {name} holds token id {bad}, outside the vocabulary of {model} "
+                f"(0 to {vocab_size - 1}); the file was written for another model or is "
+                "corrupt: convert the games again, with the model that played them"
+            )
+
+
 @dataclass(frozen=True)
 class Rows:
     """The training rows as Python lists, checked for internal consistency."""

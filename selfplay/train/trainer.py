@@ -26,6 +26,7 @@ import torch
 from selfplay.train.batch import (
     Rows,
     TrainDataError,
+    check_token_ids,
     check_tokenizer,
     collate,
     read_rows,
@@ -94,6 +95,17 @@ class Plan:
     micro_batch_size: int  # per device; divides mini_batch_size / world size (verl requires it)
 
 
+def _vocab_size(model: str, tokenizer) -> int:
+    """Rows of ``model``'s input embedding (its config's vocab_size; the tokenizer's length
+    where the config cannot be read): the ids it can be trained on."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model).vocab_size)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return len(tokenizer)
+
+
 def _load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
@@ -160,6 +172,7 @@ def load_rows(cfg: TrainConfig, *, groups: bool = True) -> tuple[Rows, int]:
     table = read_rows(cfg.data)
     tokenizer = _load_tokenizer(cfg.model)
     check_tokenizer(table, tokenizer_fingerprint(tokenizer), cfg.model)
+    check_token_ids(table, _vocab_size(cfg.model, tokenizer), cfg.data, cfg.model)
     rows = rows_from_table(table, max_length=cfg.max_length, groups=groups)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
