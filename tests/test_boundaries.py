@@ -95,3 +95,40 @@ def test_a_training_file_with_ids_outside_the_vocabulary_is_refused_naming_it(ti
     assert res.returncode == 1, said[-3000:]
     assert f"{data}: column response_ids holds token id {vocab + 100}" in said, said[-3000:]
     assert "IndexError" not in said and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("could not create a primitive"),
+        MemoryError(),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 9663676416 bytes."
+        ),
+    ],
+)
+def test_out_of_memory_in_train_says_what_to_lower_and_keeps_nothing(error, tiny_model, tmp_path):
+    """A failed allocation while training (oneDNN's 'could not create a primitive', an empty
+    MemoryError, torch's allocator): one error naming the options to lower, no half-written
+    folder left; any other error passes through unchanged."""
+    from selfplay.train.config import TrainConfig
+    from selfplay.train.publish import OutOfMemory, publish
+
+    cfg = TrainConfig(data=tmp_path / "t.parquet", model=str(tiny_model), out=tmp_path / "m")
+
+    def run(staged):
+        staged.out.mkdir(parents=True)
+        (staged.out / "model.safetensors").write_bytes(b"half")
+        raise error
+
+    with pytest.raises(OutOfMemory, match="ran out of memory") as e:
+        publish(cfg, run)
+    assert "--micro-batch-size (now 4)" in str(e.value) and "Nothing was kept" in str(e.value)
+    assert not (tmp_path / "m").exists() and not (tmp_path / ".m.partial").exists()
+
+    def other(staged):
+        raise RuntimeError("a shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        publish(cfg, other)

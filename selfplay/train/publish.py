@@ -69,6 +69,30 @@ class DiskFull(UserError, OSError):
     """The disk filled up while a model was written; nothing half-written is left."""
 
 
+class OutOfMemory(UserError, MemoryError):
+    """Training ran out of memory; the message says what to lower. Nothing half-written is left."""
+
+
+# How an allocation that failed reads: oneDNN on CPU, torch's CPU and CUDA allocators, Python
+_OOM = ("could not create a primitive", "can't allocate memory", "out of memory")
+
+
+def _out_of_memory(e: BaseException, cfg: TrainConfig) -> OutOfMemory | None:
+    """The clear error for a failed allocation ``e`` during training, or None for anything
+    else (oneDNN says "could not create a primitive", a bare MemoryError says nothing)."""
+    if not isinstance(e, MemoryError | RuntimeError) or isinstance(e, UserError):
+        return None
+    if isinstance(e, RuntimeError) and not any(m in str(e).lower() for m in _OOM):
+        return None
+    said = f"{type(e).__name__}: {e}".rstrip(": ") if str(e) else type(e).__name__
+    return OutOfMemory(
+        f"training ran out of memory ({said}); lower --micro-batch-size (now "
+        f"{cfg.micro_batch_size}) or --max-length (now {cfg.max_length}), train in bf16 where "
+        "the device supports it (--dtype), or use LoRA (--lora-rank) or more memory. Nothing "
+        "was kept; re-run with the smaller setting"
+    )
+
+
 def publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
     """Train into a hidden folder beside ``cfg.out``, then move the finished files into
     ``cfg.out`` (config.json, which marks a complete model, last): a failed, killed or
@@ -102,6 +126,8 @@ def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult])
                 f"({'about 4x with' if cfg.save_verl_checkpoint else 'more without'} "
                 "--save-verl-checkpoint). Nothing was kept; free space and re-run",
             ) from None
+        if (oom := _out_of_memory(e, cfg)) is not None:
+            raise oom from None
         raise
     out.mkdir(parents=True, exist_ok=True)
     for entry in sorted(partial.iterdir(), key=lambda p: p.name == "config.json"):
