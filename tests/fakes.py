@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from selfplay.engines import Generation, GenerationRequest
 from selfplay.game.matching.rules import format_proposal
@@ -68,3 +72,25 @@ def mask_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
     if cur:
         runs.append(cur)
     return runs
+
+
+# The API partner stand-in's key variable, key and model name (tests/chat_standin.py).
+PARTNER_KEY_ENV = "SELFPLAY_TEST_PARTNER_KEY"
+PARTNER_SECRET = "sk-test-SECRET-d41d8cd98f00"
+PARTNER_MODEL = "standin-model"
+
+
+def generate_beside_api_partner(
+    model: Path, out: Path, url: str, *, verbose: bool = False, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`selfplay generate` of 2 short 3x3 games, the model in seat 2 beside the API partner
+    stand-in at ``url`` (its key in the environment): what the partner fault tests run."""
+    cmd = [
+        sys.executable, "-m", "selfplay", *(["-v"] if verbose else []), "generate",
+        "--model", str(model), "--out", str(out), "--num-games", "2", "--concurrency", "1",
+        "--table-size", "3", "--max-new-tokens", "16", "--max-actions", "4",
+        "--partner", f"openai:{PARTNER_MODEL}", "--policy-seat", "2",
+        "--partner-base-url", url, "--partner-key-env", PARTNER_KEY_ENV,
+    ]  # fmt: skip
+    env = {**os.environ, PARTNER_KEY_ENV: PARTNER_SECRET, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -32,9 +31,13 @@ from selfplay.engines.sglang import SGLangEngine
 from selfplay.game.api import Outcome
 from selfplay.players.llm import ChatFormat, load_chat_format
 from tests.chat_standin import ChatStandIn, shy_reply
+from tests.fakes import PARTNER_KEY_ENV as KEY_ENV
+from tests.fakes import PARTNER_MODEL as MODEL
+from tests.fakes import PARTNER_SECRET as SECRET
+from tests.fakes import generate_beside_api_partner
 from tests.servers import Reply, stub_server
 from tests.test_iterate import _env
-from tests.test_partners import KEY_ENV, MODEL, SECRET, _api, play, read
+from tests.test_partners import _api, play, read
 
 
 @pytest.fixture(scope="module")
@@ -147,15 +150,7 @@ def test_an_over_cap_partner_answer_ends_its_game_as_error_and_is_kept_nowhere(
         return "[message] " + "Z" * (3 << 20) if len(calls) == 1 else shy_reply(body)
 
     with ChatStandIn(reply=huge_first) as standin:
-        cmd = [
-            sys.executable, "-m", "selfplay", "generate", "--model", str(tiny_model),
-            "--out", str(out), "--num-games", "2", "--concurrency", "1", "--table-size", "3",
-            "--max-new-tokens", "16", "--max-actions", "4", "--partner", f"openai:{MODEL}",
-            "--policy-seat", "2", "--partner-base-url", standin.url,
-            "--partner-key-env", KEY_ENV,
-        ]  # fmt: skip
-        env = {**os.environ, KEY_ENV: SECRET, "TOKENIZERS_PARALLELISM": "false"}
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        res = generate_beside_api_partner(tiny_model, out, standin.url, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     records = read(out / "games.jsonl")
     errors = [r.error for r in records if r.outcome == Outcome.ERROR]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from pathlib import Path
 
 import orjson
@@ -39,11 +38,16 @@ from selfplay.players.partners import (
 )
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
 from tests.chat_standin import ChatStandIn
-from tests.fakes import MovesEngine, mask_runs
+from tests.fakes import (
+    PARTNER_KEY_ENV,
+    PARTNER_MODEL,
+    PARTNER_SECRET,
+    MovesEngine,
+    generate_beside_api_partner,
+    mask_runs,
+)
 
-KEY_ENV = "SELFPLAY_TEST_PARTNER_KEY"
-SECRET = "sk-test-SECRET-d41d8cd98f00"
-MODEL = "standin-model"
+KEY_ENV, SECRET, MODEL = PARTNER_KEY_ENV, PARTNER_SECRET, PARTNER_MODEL
 QUESTION = "[message] What is the score of Ava Li on BLEU?"
 
 # ---------------------------------------------------------------------------------------------
@@ -404,8 +408,6 @@ def test_a_key_the_server_echoes_reaches_no_record_log_or_output(tmp_path, tiny_
     """A 400 whose error text carries the key across the 500-character cut and a tail of it (as
     a server masking the key shows), then answers that echo the key as the partner's words: no
     piece of the key of 8 characters or more is printed or written anywhere (a real generate)."""
-    import subprocess
-    import sys
 
     from selfplay.engines.servertext import FRAGMENT
 
@@ -417,15 +419,7 @@ def test_a_key_the_server_echoes_reaches_no_record_log_or_output(tmp_path, tiny_
 
     with ChatStandIn(reply=echoing) as standin:
         standin.fail_next(1, 400, echo)
-        cmd = [
-            sys.executable, "-m", "selfplay", "-v", "generate", "--model", str(tiny_model),
-            "--out", str(out), "--num-games", "2", "--concurrency", "1", "--table-size", "3",
-            "--max-new-tokens", "16", "--max-actions", "4", "--partner", f"openai:{MODEL}",
-            "--policy-seat", "2", "--partner-base-url", standin.url,
-            "--partner-key-env", KEY_ENV,
-        ]  # fmt: skip
-        env = {**os.environ, KEY_ENV: SECRET, "TOKENIZERS_PARALLELISM": "false"}
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        res = generate_beside_api_partner(tiny_model, out, standin.url, verbose=True)
     assert res.returncode == 0, res.stderr[-3000:]
     records = read(out / "games.jsonl")
     errors = [r.error for r in records if r.outcome == Outcome.ERROR]
