@@ -28,7 +28,7 @@ from pydantic import (
 
 from selfplay.errors import UserError
 from selfplay.fileio import open_output
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game
+from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game, lookup_game
 from selfplay.game.api import Outcome
 from selfplay.seats import SamplingParams, SeatConfig, SeatTokens
 from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
@@ -168,7 +168,9 @@ def known_game(obj: dict) -> str | None:
     """The game a record's JSON names (schema 1 records name none: the matching game), or None
     when no registered game has that name (the fast readers' check of ``GameRecord.game``)."""
     name = obj.get("game", DEFAULT_GAME)
-    return name if isinstance(name, str) and name in GAMES else None
+    if not isinstance(name, str):
+        return None
+    return name if name in GAMES or lookup_game(name) is not None else None
 
 
 def line_game_id(line: bytes) -> str | None:

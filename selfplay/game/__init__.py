@@ -58,13 +58,55 @@ class UnknownGameError(UserError, ValueError):
     """A game name that is not in ``GAMES``; the message lists the known ones."""
 
 
+# The one plug-in door (DESIGN.md, house style 5): an installed package adds a game by declaring
+# an entry point in this group, ``NAME = package.module:GAME_OBJECT``; the game is loaded the
+# first time its name is asked for, checked with ``check_game`` and then registered in GAMES.
+ENTRY_POINT_GROUP = "selfplay.games"
+
+
+class BrokenGameError(UserError, ValueError):
+    """An installed game that could not be loaded or failed ``check_game``; the message names
+    the package's entry point and the property it broke."""
+
+
+def _installed(name: str) -> DialogueGame | None:
+    """The game an installed package declares under ``name`` (``ENTRY_POINT_GROUP``), loaded,
+    checked and registered; None when no package declares one."""
+    from importlib.metadata import entry_points
+
+    from selfplay.game.conformance import ConformanceError, check_game
+
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        return None
+    ep = found[0]
+    where = f"game {name!r} (entry point {ep.value} in group {ENTRY_POINT_GROUP})"
+    try:
+        game = ep.load()
+    except Exception as e:  # a package's import error, whatever it is, is the package's
+        raise BrokenGameError(f"{where} could not be loaded: {type(e).__name__}: {e}") from None
+    if getattr(game, "name", None) != name:
+        raise BrokenGameError(f"{where}: its name is {getattr(game, 'name', None)!r}, not {name!r}")
+    try:
+        check_game(game)
+    except ConformanceError as e:
+        raise BrokenGameError(f"{where} fails the game contract: {e}") from None
+    GAMES[name] = game
+    return game
+
+
+def lookup_game(name: str) -> DialogueGame | None:
+    """The game called ``name`` (a built-in one, or an installed package's), or None."""
+    return GAMES.get(name) or _installed(name)
+
+
 def get_game(name: str) -> DialogueGame:
     """The game called ``name``; ``UnknownGameError`` naming the known games otherwise."""
-    try:
-        return GAMES[name]
-    except KeyError:
+    game = lookup_game(name)
+    if game is None:
         known = ", ".join(sorted(GAMES))
-        raise UnknownGameError(f"unknown game {name!r}; known games: {known}") from None
+        raise UnknownGameError(f"unknown game {name!r}; known games: {known}")
+    return game
 
 
 def _known(name: str) -> str:
@@ -79,11 +121,12 @@ def game_of(info: ValidationInfo) -> DialogueGame | None:
     """In a field validator: the game named by the model's ``game`` field (declared, so validated,
     before the field at hand); None when the model has no such field or refused its value."""
     name = info.data.get("game")
-    return None if name is None else GAMES.get(name)
+    return None if name is None else GAMES.get(name)  # a field validator ran get_game already
 
 
 __all__ = [
     "DEFAULT_GAME",
+    "ENTRY_POINT_GROUP",
     "GAMES",
     "MATCHING",
     "MATCHING_ADVICE",
@@ -98,6 +141,7 @@ __all__ = [
     "PAPERS_SHORT",
     "REVIEWERS",
     "Action",
+    "BrokenGameError",
     "DialogueGame",
     "Game",
     "GameName",
@@ -111,6 +155,7 @@ __all__ = [
     "game_of",
     "generate_scenario",
     "get_game",
+    "lookup_game",
     "parse_proposal",
     "scenario_from_arrays",
     "score_assignment",
