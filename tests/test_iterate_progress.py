@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 
-from selfplay.generate.runner import RunStats
-from selfplay.iterate.child import _LogProgress
+from selfplay.generate.runner import LogProgress, RunStats
 
 
 def test_generate_progress_is_a_line_per_tenth_and_the_last(caplog):
-    progress = _LogProgress("round 2 generate")
+    progress = LogProgress("round 2 generate")
     stats = RunStats(total=37)
-    with caplog.at_level(logging.INFO, logger="selfplay.iterate"):
+    with caplog.at_level(logging.INFO, logger="selfplay.generate"):
         progress.start(stats)
         for _ in range(37):
             stats.played += 1
@@ -26,9 +25,9 @@ def test_generate_progress_is_a_line_per_tenth_and_the_last(caplog):
 
 
 def test_resumed_generate_counts_from_the_kept_games(caplog):
-    progress = _LogProgress("g")
+    progress = LogProgress("g")
     stats = RunStats(total=10, resumed=8)
-    with caplog.at_level(logging.INFO, logger="selfplay.iterate"):
+    with caplog.at_level(logging.INFO, logger="selfplay.generate"):
         progress.start(stats)
         for _ in range(2):
             stats.played += 1
@@ -38,3 +37,20 @@ def test_resumed_generate_counts_from_the_kept_games(caplog):
         "g: 9/10 games",
         "g: 10/10 games",
     ]
+
+
+def test_generate_into_a_pipe_counts_its_games_while_they_play(tiny_model, tmp_path):
+    """`selfplay generate` whose output is not a terminal (a pipe, a log file, CI) logs its
+    progress about every tenth of the games, not only the table at the end."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "selfplay", "generate", "--model", str(tiny_model),
+           "--out", str(tmp_path / "g"), "--num-games", "20", "--table-size", "3",
+           "--max-new-tokens", "8", "--max-actions", "4"]  # fmt: skip
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [x for x in res.stderr.splitlines() if "generate: " in x and "/20 games" in x]
+    assert 5 <= len(lines) <= 11 and lines[-1].split("generate: ")[1].startswith("20/20 games")

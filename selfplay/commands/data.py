@@ -43,7 +43,7 @@ def generate(
     """Play games through an engine (self-play or against --partner); append each finished game
     to OUT/games.jsonl. An openai partner's key comes from $OPENAI_API_KEY (or --partner-key-env);
     its answers are cached in OUT/partner_cache.jsonl."""
-    from selfplay.generate.runner import RichProgress, run_generate, summary_table
+    from selfplay.generate.runner import progress_for, run_generate, summary_table
     from selfplay.models import resolve_model
 
     out = out or default_data_dir()
@@ -56,7 +56,8 @@ def generate(
 
     try:
         with sigterm_as_interrupt():  # so the engine server is shut down
-            result = run_generate(cfg, engine_cfg, progress=RichProgress(console))
+            progress = progress_for(console.file, "generate")  # log lines when not a terminal
+            result = run_generate(cfg, engine_cfg, progress=progress)
     except KeyboardInterrupt:
         console.print(
             f"[bold red]interrupted:[/] finished games are kept in {cfg.games_path}; "

@@ -358,6 +358,46 @@ async def _run_generate_locked(
                 await partner_client.aclose()  # waits for paid answers, so they are cached
 
 
+class LogProgress:
+    """A stage's progress as log lines, about every tenth of the way (a stage runs in a child
+    whose stderr may be a log file; a terminal gets a progress bar instead)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.shown = -1
+
+    def start(self, stats) -> None:
+        self.shown = stats.done
+
+    def update(self, stats) -> None:
+        step = max(1, -(-stats.total // 10))  # ceil: at most ten lines, then the last
+        if stats.done // step > self.shown // step or stats.done == stats.total:
+            self.shown = stats.done
+            log.info(
+                "%s: %d/%d games, %.2f games/s, %.0f tokens/s, reward %.3f",
+                self.label,
+                stats.done,
+                stats.total,
+                stats.games_per_s,
+                stats.tokens_per_s,
+                stats.mean_reward,
+            )
+
+    def stop(self, stats) -> None:
+        if self.shown != stats.done:
+            self.update(stats)
+
+
+def progress_for(stream, label: str) -> Progress:
+    """A rich bar on ``stream`` when it is a terminal, else ``LogProgress`` lines (a log file,
+    a pipe, CI): either way the games are counted while they play, not only at the end."""
+    if stream.isatty():
+        from rich.console import Console
+
+        return RichProgress(Console(file=stream))
+    return LogProgress(label)
+
+
 def run_generate(
     config: GenerateConfig, engine_config: EngineConfig, progress: Progress | None = None
 ) -> GenerateResult:

@@ -45,36 +45,6 @@ def _hold(run_dir: Path, stage: str) -> None:
 Generate = Callable[[GenerateConfig, Any], Any]
 
 
-class _LogProgress:
-    """A stage's progress as log lines, about every tenth of the way (a stage runs in a child
-    whose stderr may be a log file; a terminal gets a progress bar instead)."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.shown = -1
-
-    def start(self, stats) -> None:
-        self.shown = stats.done
-
-    def update(self, stats) -> None:
-        step = max(1, -(-stats.total // 10))  # ceil: at most ten lines, then the last
-        if stats.done // step > self.shown // step or stats.done == stats.total:
-            self.shown = stats.done
-            log.info(
-                "%s: %d/%d games, %.2f games/s, %.0f tokens/s, reward %.3f",
-                self.label,
-                stats.done,
-                stats.total,
-                stats.games_per_s,
-                stats.tokens_per_s,
-                stats.mean_reward,
-            )
-
-    def stop(self, stats) -> None:
-        if self.shown != stats.done:
-            self.update(stats)
-
-
 # The run's log file (data/RUN/run.log), set by the loop before its first stage: a stage child
 # (not under -v) sends its stdout and stderr there, so verl's, torch's and transformers' prints,
 # warnings and bars are kept in the file and the console shows this package's lines only.
@@ -82,21 +52,17 @@ STAGE_LOG_ENV = "SELFPLAY_STAGE_LOG"
 _console = None  # the child's console stream (its stderr before it went to the log file)
 
 
-def _stage_progress(label: str):
-    console = _console or sys.stderr
-    if console.isatty():
-        from rich.console import Console
+def stage_progress(label: str):
+    """A stage's progress: a bar on the console when it is a terminal, else log lines."""
+    from selfplay.generate.runner import progress_for
 
-        from selfplay.generate.runner import RichProgress
-
-        return RichProgress(Console(file=console))
-    return _LogProgress(label)
+    return progress_for(_console or sys.stderr, label)
 
 
 def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
     from selfplay.generate.runner import run_generate
 
-    run_generate(gen_cfg, engine_cfg, _stage_progress(f"round {gen_cfg.round} generate"))
+    run_generate(gen_cfg, engine_cfg, stage_progress(f"round {gen_cfg.round} generate"))
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -80,10 +80,10 @@ def _beside(cfg: IterateConfig, model: str, out: Path, baselines: bool, gen_cfg,
 
     from selfplay.engines import open_engine
     from selfplay.generate.runner import run_generate_async
-    from selfplay.iterate.child import _stage_progress
+    from selfplay.iterate.child import stage_progress
     from selfplay.iterate.heldout import heldout_eval_async
 
-    progress = _stage_progress(f"round {gen_cfg.round} generate")
+    progress = stage_progress(f"round {gen_cfg.round} generate")
 
     async def both():
         engine = open_engine(engine_cfg)

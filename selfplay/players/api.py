@@ -217,6 +217,12 @@ class PartnerClient:
         """Wait (up to ``drain_s``) for paid calls in flight, then close the engine."""
         pending = list(self._inflight.values())
         if pending:
+            log.warning(
+                "waiting up to %.0f s for %d partner answer(s) already paid for, so that they "
+                "reach the cache (Ctrl-C again to stop at once)",
+                self.config.drain_s,
+                len(pending),
+            )
             _done, late = await asyncio.wait(pending, timeout=self.config.drain_s)
             for t in late:
                 t.cancel()
