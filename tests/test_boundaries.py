@@ -132,3 +132,24 @@ def test_out_of_memory_in_train_says_what_to_lower_and_keeps_nothing(error, tiny
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
         publish(cfg, other)
+
+
+def test_a_model_with_custom_code_is_refused_before_training(tiny_model, tmp_path):
+    """config.json with auto_map (custom model code, which selfplay never runs): transformers
+    cannot save the trained copy's config without that code, so train and sft refuse it before
+    any update, naming the file, instead of failing with a TypeError after training."""
+    import shutil
+
+    from selfplay.train.config import TrainConfig
+    from selfplay.train.publish import CustomCodeModel, publish
+
+    model = tmp_path / "custom"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    cfg = TrainConfig(data=tmp_path / "t.parquet", model=str(model), out=tmp_path / "m")
+    ran = []
+    with pytest.raises(CustomCodeModel, match="auto_map: AutoModelForCausalLM"):
+        publish(cfg, lambda staged: ran.append(staged))
+    assert ran == [] and not (tmp_path / "m").exists()

@@ -102,8 +102,32 @@ def publish(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> Trai
         return _publish_locked(cfg, run)
 
 
+class CustomCodeModel(UserError, ValueError):
+    """A model whose config.json points at custom model code (``auto_map``)."""
+
+
+def _check_no_custom_code(model: str) -> None:
+    """Refuse, before any training, a model whose config.json has ``auto_map``: selfplay never
+    runs a model's own code (it loads the transformers class of its architecture), and
+    transformers cannot save such a config without that code, so the trained model would be
+    lost at the very end."""
+    config = Path(model) / "config.json"
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # a hub id, or no readable config: the loader says what is wrong
+    if auto_map:
+        raise CustomCodeModel(
+            f"{config} names custom model code (auto_map: {', '.join(sorted(auto_map))}), which "
+            "selfplay never runs; its trained copy could not be saved with it. Train a model "
+            "of transformers' own architectures, or a copy of this one without auto_map in "
+            "config.json if its architecture is one of them"
+        )
+
+
 def _publish_locked(cfg: TrainConfig, run: Callable[[TrainConfig], TrainResult]) -> TrainResult:
     _check_out(cfg)
+    _check_no_custom_code(cfg.model)
     out = cfg.out
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
