@@ -81,7 +81,7 @@ def test_a_training_file_with_ids_outside_the_vocabulary_is_refused_naming_it(ti
     from transformers import AutoTokenizer
 
     from selfplay.models import tokenizer_fingerprint
-    from tests.test_train_batch import make_rows, simple_specs, write_rows
+    from tests.fakes import make_rows, simple_specs, write_rows
 
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_model))

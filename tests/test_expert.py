@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 from selfplay.iterate.expert import select_games, without_invalid_turns
 from selfplay.players.llm import load_chat_format
 from selfplay.records import iter_game_records
-from tests.test_iterate import _cmd, _kill_when, _lines, _run, _start
+from tests.fakes import iterate_cmd as _cmd
+from tests.fakes import kill_when as _kill_when
+from tests.fakes import line_count as _lines
+from tests.fakes import run_ok as _run
+from tests.fakes import start_killable as _start
 from tests.test_sft import _assert_rows_are_the_games_actions
 
 

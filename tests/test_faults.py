@@ -21,7 +21,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.test_iterate import _cmd, _env, _lines, _run
+from tests.fakes import iterate_cmd as _cmd
+from tests.fakes import line_count as _lines
+from tests.fakes import run_ok as _run
+from tests.fakes import subprocess_env as _env
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,11 @@ from selfplay.records import TRAINING_SCHEMA, iter_game_records
 from selfplay.train.batch import collate, row_advantages, rows_from_table
 from selfplay.train.config import TrainConfig
 from selfplay.train.guided import _GUIDE, guided_policy_loss, shaped_token_losses
-from tests.test_iterate import _cmd, _kill_when, _run, _start
-from tests.test_train_batch import make_rows
+from tests.fakes import iterate_cmd as _cmd
+from tests.fakes import kill_when as _kill_when
+from tests.fakes import make_rows
+from tests.fakes import run_ok as _run
+from tests.fakes import start_killable as _start
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,71 +19,15 @@ import pytest
 from safetensors.torch import load_file
 
 from selfplay.records import iter_game_records
+from tests.fakes import ITERATE_ROUNDS as ROUNDS
+from tests.fakes import iterate_cmd as _cmd
+from tests.fakes import kill_when as _kill_when
+from tests.fakes import line_count as _lines
+from tests.fakes import run_ok as _run
+from tests.fakes import start_killable as _start
+from tests.fakes import subprocess_env as _env
 
 pytestmark = pytest.mark.slow
-
-ROUNDS = 2
-
-
-def _cmd(root: Path, model: Path, name: str) -> list[str]:
-    return [
-        sys.executable, "-m", "selfplay", "iterate",
-        "--name", name,
-        "--data-root", str(root / "data"),
-        "--checkpoint-root", str(root / "checkpoints"),
-        "--model", str(model),
-        "--iterations", str(ROUNDS),
-        "--games-per-iter", "16",
-        "--games-per-scenario", "4",
-        "--table-size", "3",
-        "--temperature", "0.5",
-        "--max-new-tokens", "48",
-        "--lr", "1e-4",
-        "--micro-batch-size", "4",
-        "--seed", "3",
-        # one game at a time: every request is decoded alone, so sampling does not depend on
-        # which games share a padded batch (that moves logits ~1e-6 and can flip a rare token)
-        "--concurrency", "1",
-        "--eval-scenarios", "3",
-        "--logger", "tensorboard,wandb",
-        "--keep-checkpoints", "last",
-        "--no-report",
-    ]  # fmt: skip
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SELFPLAY_HOLD")}
-    return {**env, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", **extra}
-
-
-def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
-    res = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
-
-
-def _start(cmd: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd,
-        env=_env(**env),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while not ready():
-        assert proc.poll() is None, "the run ended before the kill point"
-        assert time.time() < deadline, "kill point never reached"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _lines(path: Path) -> int:
-    return len(path.read_bytes().splitlines()) if path.exists() else 0
 
 
 def _comparable(record, root: Path) -> tuple[dict, list[float]]:

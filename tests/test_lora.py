@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from selfplay.train.export import merge_lora
-from tests.test_train_batch import make_rows, write_rows
+from tests.fakes import make_rows, write_rows
 
 
 def test_merge_folds_each_adapter_into_its_base_weight_and_restores_names():

@@ -35,8 +35,8 @@ from tests.fakes import PARTNER_KEY_ENV as KEY_ENV
 from tests.fakes import PARTNER_MODEL as MODEL
 from tests.fakes import PARTNER_SECRET as SECRET
 from tests.fakes import generate_beside_api_partner
+from tests.fakes import subprocess_env as _env
 from tests.servers import Reply, stub_server
-from tests.test_iterate import _env
 from tests.test_partners import _api, play, read
 
 

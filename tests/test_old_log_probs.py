@@ -23,7 +23,7 @@ from selfplay.cli import app
 from selfplay.train.batch import read_rows, rows_from_table
 from selfplay.train.config import TrainConfig
 from selfplay.train.trainer import TrainDataError, _check_rollout_log_probs
-from tests.test_train_batch import make_rows, simple_specs, write_rows
+from tests.fakes import make_rows, simple_specs, write_rows
 
 
 def _rows(tmp_path: Path, temperature: float | None, off_policy: bool = False):

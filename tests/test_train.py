@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from selfplay.records import TRAINING_SCHEMA
 from selfplay.train.batch import rows_from_table
 from selfplay.train.config import TrainConfig
-from tests.test_train_batch import make_rows, write_rows
+from tests.fakes import make_rows, write_rows
 
 pytestmark = pytest.mark.slow
 

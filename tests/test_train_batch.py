@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,54 +23,7 @@ from selfplay.train.batch import (
     rows_from_table,
 )
 from selfplay.train.config import TrainConfig
-
-
-def make_rows(
-    specs: list[tuple[int, list[int], list[int], list[int], float]],
-    fingerprint: str | None = "fp",
-    logprob: float = -1.0,
-) -> list[dict]:
-    """Training rows from (group, prompt ids, response ids, response mask, reward)."""
-    rows = []
-    for i, (group, prompt, response, mask, reward) in enumerate(specs):
-        rows.append(
-            {
-                "group_id": group,
-                "group_key": f"s{group}",
-                "game_id": f"g{i}",
-                "scenario_id": f"s{group}",
-                "seat": i % 2,
-                "round": 0,
-                "prompt_ids": prompt,
-                "response_ids": response,
-                "response_mask": mask,
-                "rollout_logprobs": [logprob if m else 0.0 for m in mask],
-                "reward": reward,
-                "tokenizer_fingerprint": fingerprint,
-                "messages": [{"role": "user", "content": "hi"}],
-                "data_source": "dialop_matching",
-                "prompt": [{"role": "user", "content": "hi"}],
-                "reward_model": {"style": "rule", "ground_truth": reward},
-                "extra_info": {"index": i, "game_id": f"g{i}", "seat": i % 2},
-            }
-        )
-    return rows
-
-
-def write_rows(path: Path, rows: list[dict], schema: pa.Schema = TRAINING_SCHEMA) -> Path:
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-    return path
-
-
-def simple_specs(groups: int = 2, per_group: int = 4) -> list:
-    specs = []
-    for g in range(groups):
-        for k in range(per_group):
-            specs.append(
-                (g, [5 + g, 6, 7][: 1 + k % 3], [10 + k, 11, 12, 13, 14], [1, 1, 0, 0, 1], float(k))
-            )
-    return specs
-
+from tests.fakes import make_rows, simple_specs, write_rows
 
 # ---------------------------------------------------------------------------------------------
 # layout
