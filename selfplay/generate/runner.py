@@ -194,11 +194,14 @@ async def generate_games(
     existing: dict[str, float] | None = None,
     progress: Progress | None = None,
     partner_client: PartnerClient | None = None,
+    deterministic: bool = False,
 ) -> GenerateResult:
     """Play every planned game not yet in OUT/games.jsonl; return the run's stats and summary.
 
     An ``openai:MODEL`` partner needs ``partner_client`` (``run_generate`` opens one); the caller
-    closes it. Its usage goes into ``summary.partner``.
+    closes it. Its usage goes into ``summary.partner``. ``deterministic`` (the engine's
+    ``--deterministic``): records keep no wall-clock seconds, so that two runs write the same
+    bytes (the run's own time is in generate.json's stats).
     """
     seats = generate_seating(config, engine, chat, partner_client)  # checks the partner client
     if existing is None:
@@ -227,6 +230,8 @@ async def generate_games(
     writer = _Writer(config.games_path)
 
     def finished(spec: GameSpec, record: GameRecord) -> None:
+        if deterministic:
+            record = record.model_copy(update={"timings": {}})
         writer.put(record)
         summary.add(record)
         stats.played += 1
@@ -347,6 +352,7 @@ async def _run_generate_locked(
             existing=existing,
             progress=progress,
             partner_client=partner_client,
+            deterministic=getattr(engine_config, "deterministic", False),
         )
         await asyncio.to_thread(write_in_plan_order, config)
         return result
