@@ -153,3 +153,37 @@ def test_a_model_with_custom_code_is_refused_before_training(tiny_model, tmp_pat
     with pytest.raises(CustomCodeModel, match="auto_map: AutoModelForCausalLM"):
         publish(cfg, lambda staged: ran.append(staged))
     assert ran == [] and not (tmp_path / "m").exists()
+
+
+def test_closing_with_paid_partner_answers_in_flight_says_it_waits_and_for_how_long(caplog):
+    """Ctrl-C (or the end of a run) while partner answers are in flight: the client waits up to
+    drain_s for the answers already paid for, and says so in one warning instead of a silent
+    pause; a call that outlasts the wait is cancelled."""
+    import asyncio
+    import logging
+
+    from selfplay.players.api import ApiPartnerConfig, PartnerClient
+
+    class SlowEngine:
+        closed = False
+
+        async def chat(self, messages, **sampling):
+            await asyncio.sleep(30)
+
+        async def aclose(self):
+            self.closed = True
+
+    async def scenario():
+        config = ApiPartnerConfig(model="m", system_prompt="be shy", drain_s=0.2)
+        engine = SlowEngine()
+        client = PartnerClient(config, engine)
+        call = asyncio.ensure_future(client.reply([{"role": "user", "content": "hi"}]))
+        await asyncio.sleep(0.05)
+        await client.aclose()
+        call.cancel()
+        return engine.closed
+
+    with caplog.at_level(logging.WARNING, logger="selfplay.players.api"):
+        assert asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records]
+    assert any("waiting up to 0 s for 1 partner answer(s) already paid for" in m for m in said)
