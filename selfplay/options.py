@@ -294,13 +294,27 @@ HF = Fields(
     prefix="hf: ",
 )
 # What both server engines take: declared once (by SGLANG, which comes first), read by both.
-_SERVER_RENAME = {"url": "engine_url", "startup_timeout_s": "health_timeout"}
+_SERVER_RENAME = {
+    "url": "engine_url",
+    "startup_timeout_s": "health_timeout",
+    "deadline_s": "engine_deadline",
+}
 SGLANG = Fields(
     SGLangEngineConfig,
-    include=("startup_timeout_s", "tp_size", "python", "port", "mem_fraction", "extra_args"),
+    include=(
+        "startup_timeout_s",
+        "tp_size",
+        "deadline_s",
+        "python",
+        "port",
+        "mem_fraction",
+        "extra_args",
+    ),
     rename=_SERVER_RENAME
     | {"python": "sglang_python", "port": "sglang_port", "extra_args": "sglang_arg"},
-    override={x: {"prefix": "sglang, vllm: "} for x in ("startup_timeout_s", "tp_size")},
+    override={
+        x: {"prefix": "sglang, vllm: "} for x in ("startup_timeout_s", "tp_size", "deadline_s")
+    },
     prefix="sglang: ",
 )
 VLLM = Fields(
@@ -308,6 +322,7 @@ VLLM = Fields(
     include=(
         "startup_timeout_s",
         "tp_size",
+        "deadline_s",
         "dtype",
         "python",
         "port",

@@ -290,7 +290,7 @@ def test_the_iterate_manifest_keeps_its_flat_keys():
         "ei_invalid_turns",
         "guide",
         "guide_games",
-        "guide_when", "guide_rounds", "warm_start_partner", "test_scenarios",
+        "guide_when", "guide_rounds", "warm_start_partner", "test_scenarios", "partner_deadline",
     }  # fmt: skip
     assert set(dump["train"]) == {
         "lr", "batch_size", "mini_batch_size", "updates_per_round", "micro_batch_size",

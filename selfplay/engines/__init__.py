@@ -210,7 +210,11 @@ class ServerEngineConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)  # one attempt, sent and read whole
     # one generation: every attempt and wait together (a server that drips its answer a byte at a
     # time, or keeps failing, fails the run within it)
-    deadline_s: float = Field(1800.0, gt=0)
+    deadline_s: float = Field(
+        1800.0,
+        gt=0,
+        description="seconds one generation may take at most, every retry and wait included.",
+    )
     retries: int = Field(4, ge=0)
     backoff_s: float = Field(1.0, ge=0)
     max_connections: int = Field(1024, ge=1)

@@ -279,6 +279,7 @@ class IterateConfig(GenerateOptions, ConvertOptions):
 RESUMABLE = (
     "iterations",
     "partner_max_calls",
+    "partner_deadline",
     "partner_key_env",
     "loggers",
     "eval_initial",
@@ -332,7 +333,13 @@ TRAIN_RESUMABLE = ("keep_checkpoints", "save_verl_checkpoint")  # the latter: it
 
 # Engine options a resume may change: how fast it decodes, not what (a batch's rows, threads and
 # reused KV change float rounding only, as the batches that concurrent games happen to form do).
-ENGINE_RESUMABLE = ("max_batch_size", "cpu_threads", "prefix_cache_tokens", "deterministic")
+ENGINE_RESUMABLE = (
+    "max_batch_size",
+    "cpu_threads",
+    "prefix_cache_tokens",
+    "deterministic",
+    "deadline_s",
+)
 
 
 def config_identity(dump: dict[str, Any]) -> dict[str, Any]:

@@ -258,6 +258,7 @@ def api_partner_config(
         api_key_env=options.partner_key_env,
         concurrency=concurrency,
         max_calls=options.partner_max_calls,
+        deadline_s=options.partner_deadline,
         system_prompt=game.partner_persona,
         cache_path=out / "partner_cache.jsonl" if out is not None else None,
         usage_path=out / "partner_usage.jsonl" if out is not None else None,

@@ -152,6 +152,12 @@ class PartnerOptions(BaseModel):
         description="openai partner: paid calls at most per run, per round in iterate (cached "
         "answers are free).",
     )
+    partner_deadline: float = Field(
+        300.0,
+        gt=0,
+        description="openai partner: seconds one answer may take at most, every retry and wait "
+        "included (a server that never answers, or drips, fails its game then).",
+    )
 
     @field_validator("partner")
     @classmethod
