@@ -161,6 +161,18 @@ class Attempts:
         self.k = 0  # attempts begun
         self.expired = False  # stopped by the deadline, not by the number of attempts
 
+    @classmethod
+    def of(cls, what: str, config) -> Attempts:
+        """The attempts an engine config allows (its retries, backoff_s, request_timeout_s and
+        deadline_s)."""
+        return cls(
+            what,
+            retries=config.retries,
+            backoff_s=config.backoff_s,
+            request_timeout_s=config.request_timeout_s,
+            deadline_s=config.deadline_s,
+        )
+
     def __iter__(self):
         while self.k < self.total and not self.expired:
             self.k += 1

@@ -92,13 +92,7 @@ class OpenAIEngine:
         }
         c = self.config
         problem = ""
-        attempts = Attempts(
-            f"{self.name} at {c.base_url}",
-            retries=c.retries,
-            backoff_s=c.backoff_s,
-            request_timeout_s=c.request_timeout_s,
-            deadline_s=c.deadline_s,
-        )
+        attempts = Attempts.of(f"{self.name} at {c.base_url}", c)
         for k in attempts:
             if k > 1:
                 self.retries += 1

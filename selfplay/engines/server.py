@@ -290,13 +290,7 @@ class ServerEngine:
         body = self.payload(request)
         c = self.config
         problem = ""
-        attempts = Attempts(
-            f"{self.LABEL} request",
-            retries=c.retries,
-            backoff_s=c.backoff_s,
-            request_timeout_s=c.request_timeout_s,
-            deadline_s=c.deadline_s,
-        )
+        attempts = Attempts.of(f"{self.LABEL} request", c)
         for _ in attempts:
             reason = self._server_exit()
             if reason:
