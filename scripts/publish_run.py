@@ -4,7 +4,13 @@ anyone can recompute the claims without re-running; with the run's recipe, a REC
 it (and what, if anything, today's recipe sets otherwise than the run had).
 
     python scripts/publish_run.py data/ask docs/runs/ask [recipes/ask.toml]
+    python scripts/publish_run.py data/ask-cap2 docs/runs/ask-cap2 recipes/ask-cap2.toml
     python scripts/publish_run.py --notes   # each docs/runs/NAME with a recipes/NAME.toml
+
+A run played on the test split (``iterate --test-scenarios``) also gets ``test/ROW.jsonl.gz``
+for each of its test rows (warm_start or initial, final, every baseline, proposer included); a
+multi-seed run (``iterate --seeds``: data/NAME/seed-K) is published seed by seed into
+``seed-K/`` beside its SEEDS.md and seeds.json.
 """
 
 from __future__ import annotations
@@ -16,7 +22,56 @@ import sys
 from pathlib import Path
 
 
+def _on_disk(path: str, run_dir: Path) -> Path:
+    """A path a manifest holds: absolute, or relative to where iterate ran (the current folder,
+    or a folder above the run's)."""
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    for base in (Path.cwd(), *run_dir.resolve().parents):
+        if (base / p).exists():
+            return base / p
+    return p
+
+
+def _gzip(games: Path, out: Path) -> Path:
+    """``games`` gzipped to ``out`` (mtime 0: the same games give the same bytes each time)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        games.open("rb") as src,
+        out.open("wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst,
+    ):
+        shutil.copyfileobj(src, dst)
+    return out
+
+
+def publish_test(run_dir: Path, dest: Path, manifest: dict) -> list[Path]:
+    """The test split's games of every row (``Manifest.test``) as dest/test/ROW.jsonl.gz."""
+    written = []
+    for row, held in (manifest.get("test") or {}).items():
+        folder = _on_disk(held["path"], run_dir) / "games"
+        kind = "model" if row in ("warm_start", "initial", "final") else "baseline"
+        written.append(_gzip(folder / f"{kind}-{row}.jsonl", dest / "test" / f"{row}.jsonl.gz"))
+    return written
+
+
+def publish_seeds(parent: Path, dest: Path) -> list[Path]:
+    """A multi-seed run: each data/NAME/seed-K into dest/seed-K, then SEEDS.md and seeds.json."""
+    written = []
+    for seed_dir in sorted(parent.glob("seed-*")):
+        if (seed_dir / "manifest.json").is_file():
+            written += publish(seed_dir, dest / seed_dir.name)
+    for name in ("SEEDS.md", "seeds.json"):
+        if (parent / name).is_file():
+            shutil.copyfile(parent / name, dest / name)
+            written.append(dest / name)
+    return written
+
+
 def publish(run_dir: Path, dest: Path) -> list[Path]:
+    if not (run_dir / "manifest.json").is_file() and any(run_dir.glob("seed-*/manifest.json")):
+        return publish_seeds(run_dir, dest)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     held = {int(k): v for k, v in manifest.get("heldout", {}).items()}
     if 0 not in held or len(held) < 2:
@@ -29,19 +84,9 @@ def publish(run_dir: Path, dest: Path) -> list[Path]:
     heldout = dest / "heldout"
     heldout.mkdir(exist_ok=True)
     for label, k in (("warm_start", 0), ("final", max(held))):
-        games = Path(held[k]["path"]) / "games" / "model-model.jsonl"
-        if not games.is_absolute():
-            games = run_dir.parent.parent / games  # paths are relative to where iterate ran
-        out = heldout / f"{label}.jsonl.gz"
-        # mtime 0: the same games give the same bytes each time
-        with (
-            games.open("rb") as src,
-            out.open("wb") as raw,
-            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst,
-        ):
-            shutil.copyfileobj(src, dst)
-        written.append(out)
-    return written
+        games = _on_disk(held[k]["path"], run_dir) / "games" / "model-model.jsonl"
+        written.append(_gzip(games, heldout / f"{label}.jsonl.gz"))
+    return written + publish_test(run_dir, dest, manifest)
 
 
 def recipe_note(recipe: Path, manifest: Path) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from selfplay.records import iter_game_records
 from selfplay.seeds import heldout_scenario_seed
 
 pytestmark = pytest.mark.slow
+
+PUBLISH = Path(__file__).resolve().parents[1] / "scripts" / "publish_run.py"
 
 
 def _cmd(root, model, *extra: str) -> list[str]:
@@ -61,6 +64,17 @@ def test_seeds_run_one_after_another_each_with_its_test_split_and_a_report_over_
     assert set(data["pooled"]) == {"start", "proposer"}
     assert data["pooled"]["start"]["scenarios"] == 3
     assert "| 0 |" in (parent / "SEEDS.md").read_text()
+    published = subprocess.run(
+        [sys.executable, str(PUBLISH), str(parent), str(tmp_path / "docs" / "multi")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert published.returncode == 0, published.stderr[-2000:]
+    for s in (0, 1):
+        test = tmp_path / "docs" / "multi" / f"seed-{s}" / "test"
+        assert {p.name for p in test.iterdir()} >= {
+            "initial.jsonl.gz", "final.jsonl.gz", "proposer.jsonl.gz"
+        }  # fmt: skip
+    assert (tmp_path / "docs" / "multi" / "SEEDS.md").is_file()
     stamp = (parent / "seed-0" / "test" / "games" / "model-final.jsonl").stat().st_mtime_ns
     again = subprocess.run(
         _cmd(tmp_path, primed_model, "--seeds", "0,1"), capture_output=True, text=True, timeout=900
