@@ -80,17 +80,26 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     )
 
 
-def _eval_config(cfg: IterateConfig, model: str, out: Path, baselines: bool):
-    """The ``selfplay eval`` config of ``model``'s held-out games: greedy, on the run's held-out
-    scenarios and engine (hf on its device and dtype, or a server: an attached server loads the
-    evaluated weights with load_weights, as the next round would), with the scripted baselines
-    on the same scenarios when asked."""
+def eval_config(
+    cfg: IterateConfig,
+    models: dict[str, str],
+    out: Path,
+    baselines: bool,
+    *,
+    num_scenarios: int,
+    split: str = "dev",
+):
+    """The ``selfplay eval`` config of ``models``' (label -> model) held-out games: greedy, on
+    ``num_scenarios`` scenarios of the run's ``split`` and on its engine (hf on its device and
+    dtype, or a server: an attached server loads the evaluated weights with load_weights, as
+    the next round would), with the scripted baselines on the same scenarios when asked."""
     from selfplay.evaluate.config import EvalConfig, ModelSpec
 
     return EvalConfig(
-        models=(ModelSpec(label="model", model=model),),
-        num_scenarios=cfg.eval_scenarios,
+        models=tuple(ModelSpec(label=label, model=m) for label, m in models.items()),
+        num_scenarios=num_scenarios,
         seed=cfg.eval_seed,
+        split=split,
         sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
         baselines=get_game(cfg.game).heldout_baselines if baselines else (),
         engine=cfg.engine,
@@ -106,16 +115,19 @@ async def heldout_eval_async(
     the caller started and closes, see ``stages.generate_beside_heldout``)."""
     from selfplay.evaluate.run import run_eval_async
 
-    result = await run_eval_async(_eval_config(cfg, model, out, baselines), engine=engine)
-    fields = set(HeldOut.model_fields) - {"model", "path"}
-
-    def held(row) -> HeldOut:
-        return HeldOut(model=row.model or row.name, path=str(out), **row.model_dump(include=fields))
-
+    config = eval_config(cfg, {"model": model}, out, baselines, num_scenarios=cfg.eval_scenarios)
+    result = await run_eval_async(config, engine=engine)
     row = result.row("model", "model")
     if row.error:
         raise IterateError(f"held-out evaluation of {model} failed: {row.error}")
-    return held(row), {r.name: held(r) for r in result.rows if r.kind == "baseline"}
+    baseline_rows = {r.name: held_out(r, out) for r in result.rows if r.kind == "baseline"}
+    return held_out(row, out), baseline_rows
+
+
+def held_out(row, out: Path) -> HeldOut:
+    """An evaluation row (a model's or a baseline's) as the manifest keeps it."""
+    fields = set(HeldOut.model_fields) - {"model", "path"}
+    return HeldOut(model=row.model or row.name, path=str(out), **row.model_dump(include=fields))
 
 
 def _heldout_eval(

@@ -14,13 +14,11 @@ import logging
 from pathlib import Path
 
 from selfplay.game import get_game
-from selfplay.generate.config import PlayOptions
 from selfplay.iterate.child import isolated
 from selfplay.iterate.config import IterateConfig, IterateError
+from selfplay.iterate.heldout import eval_config, held_out
 from selfplay.manifest import Manifest
 from selfplay.metrics import HeldOut
-from selfplay.players.partners import PartnerOptions
-from selfplay.records import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -37,39 +35,21 @@ def test_models(cfg: IterateConfig, start: str, final: str) -> dict[str, str]:
     return {start_label(cfg): start} if final == start else {start_label(cfg): start, FINAL: final}
 
 
-def _test_config(cfg: IterateConfig, models: dict[str, str], out: Path):
-    from selfplay.evaluate.config import EvalConfig, ModelSpec
-
-    return EvalConfig(
-        models=tuple(ModelSpec(label=label, model=m) for label, m in models.items()),
-        num_scenarios=cfg.test_scenarios,
-        seed=cfg.eval_seed,
-        split="test",
-        sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
-        baselines=get_game(cfg.game).heldout_baselines,
-        engine=cfg.engine,
-        out=out,
-        **cfg.model_dump(include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)),
-    )
-
-
 def _test_eval(cfg: IterateConfig, models: dict[str, str], out: Path) -> dict[str, HeldOut]:
     """In a child: every row of the test split, by label (models) or name (baselines)."""
     import asyncio
 
     from selfplay.evaluate.run import run_eval_async
 
-    result = asyncio.run(run_eval_async(_test_config(cfg, models, out)))
-    fields = set(HeldOut.model_fields) - {"model", "path"}
+    config = eval_config(cfg, models, out, True, num_scenarios=cfg.test_scenarios, split="test")
+    result = asyncio.run(run_eval_async(config))
     rows: dict[str, HeldOut] = {}
     for row in result.rows:
         if row.kind not in ("model", "baseline"):
             continue
         if row.error:
             raise IterateError(f"test-split evaluation of {row.name} failed: {row.error}")
-        name = row.name
-        model = models.get(name, row.model or name)
-        rows[name] = HeldOut(model=model, path=str(out), **row.model_dump(include=fields))
+        rows[row.name] = held_out(row, out)
     return rows
 
 
