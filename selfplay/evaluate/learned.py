@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfplay.evaluate.compare import CompareError, load_games, paired
-from selfplay.metrics import mean_ci, questions_by_seat
+from selfplay.metrics import questions_by_seat
 from selfplay.records import GameRecord, iter_game_records
 
 PROPOSER = "proposer"  # the strongest non-asking scripted policy
@@ -193,9 +193,3 @@ def panel(model: Path, start: Path | None, baselines: dict[str, Path], split: st
                 f"| asking does not pay ({nn}) | {fn:.2f} | {pn:.2f} | {qn:.2f} |",
             ]
     return [*md, ""]
-
-
-def value_of_asking(proposer: Path, asker: Path) -> tuple[float, float, float]:
-    """Mean per-scenario value of asking (``asker`` minus ``proposer``) with its 95% interval."""
-    p, a = _by_scenario(proposer), _by_scenario(asker)
-    return mean_ci(a[s].reward - p[s].reward for s in sorted(p.keys() & a.keys()))

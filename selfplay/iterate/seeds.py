@@ -18,10 +18,10 @@ import json
 from pathlib import Path
 
 from selfplay.errors import UserError
+from selfplay.evaluate.compare import load_games
 from selfplay.evaluate.learned import PROPOSER
 from selfplay.manifest import read_manifest
 from selfplay.metrics import mean_ci
-from selfplay.records import iter_game_records
 
 
 class SeedsError(UserError, ValueError):
@@ -41,13 +41,6 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 
 def seed_name(seed: int) -> str:
     return f"seed-{seed}"
-
-
-def _rewards(path: Path) -> dict[str, float]:
-    by: dict[str, list[float]] = {}
-    for g in iter_game_records(path):
-        by.setdefault(g.scenario_id, []).append(g.reward)
-    return {k: sum(v) / len(v) for k, v in by.items()}
 
 
 def _files(run_dir: Path) -> tuple[str, dict[str, Path]]:
@@ -82,7 +75,7 @@ def seeds_report(parent: Path, seeds: tuple[int, ...]) -> Path:
     for s in seeds:
         split, files = _files(parent / seed_name(s))
         splits.add(split)
-        per_seed[s] = {k: _rewards(v) for k, v in files.items()}
+        per_seed[s] = {k: load_games(v, f"seed {s} {k}").rewards for k, v in files.items()}
     split = "test" if splits == {"test"} else "dev"
     rows, pooled = [], {}
     for against in ("start", PROPOSER):
