@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from selfplay.engines import EngineFailure, Generation, GenerationRequest
+from selfplay.engines.servertext import server_text
 
 
 def vocab_size(model: str) -> int | None:
@@ -44,13 +45,13 @@ def check_answer(
         if type(t) is not int or t < 0 or (vocab is not None and t >= vocab):
             bound = f"0 to {vocab - 1}" if vocab is not None else "a non-negative integer"
             raise EngineFailure(
-                f"{where} sent token id {t!r} at position {i}, not an id of the model "
-                f"({bound}): is the server running another model?"
+                f"{where} sent token id {server_text(repr(t), 40)} at position {i}, not an id "
+                f"of the model ({bound}): is the server running another model?"
             )
     for i, p in enumerate(gen.logprobs):
         if not isinstance(p, (int, float)) or not math.isfinite(p) or p > 1e-3:
             raise EngineFailure(
-                f"{where} sent log-prob {p!r} at position {i}; a log-prob is a finite number "
-                "at most 0"
+                f"{where} sent log-prob {server_text(repr(p), 40)} at position {i}; a log-prob is "
+                "a finite number at most 0"
             )
     return gen
