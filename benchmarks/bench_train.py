@@ -68,7 +68,8 @@ def make_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0)
     import numpy as np
     import torch
 
-    from selfplay.train.batch import Rows, collate, row_advantages
+    from selfplay.reward import row_advantages
+    from selfplay.train.batch import Rows, collate
 
     rng = np.random.default_rng(seed)
     prompts, responses, masks = [], [], []

@@ -30,6 +30,9 @@ TRAINING_SCHEMA = pa.schema(
         # the temperature the row's own tokens were sampled at (null: not sampled by a model, or
         # written before the column): rollout_logprobs are log-softmax(logits / temperature)
         pa.field("temperature", pa.float32()),
+        # one state id per own turn (a run of mask-1 tokens), for --credit turn: a hash of the seat
+        # and the exact tokens before the turn (null: episode credit, or written before the column)
+        pa.field("turn_states", pa.list_(pa.int64())),
         pa.field("tokenizer_fingerprint", pa.string()),
         pa.field(
             "messages",

@@ -169,6 +169,7 @@ def test_golden_conversion_of_a_small_file(tmp_path):
         "reward": 0.5,
         "off_policy": False,  # the model's own seat (a guide's is a trained scripted seat)
         "temperature": None,  # its seat records no sampling parameters
+        "turn_states": None,  # episode credit (the default) writes none
         "tokenizer_fingerprint": "fp",
         "messages": [
             {"role": "user", "content": "intro seat 1"},

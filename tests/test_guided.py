@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from selfplay.records import TRAINING_SCHEMA, iter_game_records
-from selfplay.train.batch import collate, row_advantages, rows_from_table
+from selfplay.reward import row_advantages
+from selfplay.train.batch import collate, rows_from_table
 from selfplay.train.config import TrainConfig
 from selfplay.train.guided import _GUIDE, guided_policy_loss, shaped_token_losses
 from tests.fakes import iterate_cmd as _cmd

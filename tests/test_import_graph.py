@@ -28,13 +28,14 @@ ALLOWED = {
         "selfplay.hardware",
         "selfplay.training_schema",
         "selfplay.models",
+        "selfplay.reward",
     },
 }
 
 # The tree as floors, lowest first: a package imports only packages of lower floors.
 FLOORS = (
     ("errors", "hardware", "seats", "seeds", "training_schema"),  # the shared vocabulary
-    ("engines", "fileio", "game", "models", "tracking"),  # plug-ins and leaf helpers
+    ("engines", "fileio", "game", "models", "reward", "tracking"),  # plug-ins and leaf helpers
     ("records", "train"),  # games.jsonl; the verl update (no game)
     ("convert", "metrics", "players"),
     ("generate", "manifest"),

@@ -55,7 +55,8 @@ def planted_rows():
 
 
 def batch_with_advantages(rows):
-    from selfplay.train.batch import collate, row_advantages
+    from selfplay.reward import row_advantages
+    from selfplay.train.batch import collate
 
     batch = collate(rows, pad_id=0)
     adv = torch.from_numpy(row_advantages(rows)).float()[:, None]

@@ -12,14 +12,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from selfplay.records import TRAINING_SCHEMA
+from selfplay.reward import grpo_advantages, row_advantages
 from selfplay.train.batch import (
     Rows,
     TrainDataError,
     check_tokenizer,
     collate,
-    grpo_advantages,
     read_rows,
-    row_advantages,
     rows_from_table,
 )
 from selfplay.train.config import TrainConfig

@@ -3,11 +3,10 @@
 ``convert(ConvertConfig) -> ConvertSummary`` reads a games.jsonl and writes ``train.parquet``,
 ``val.parquet`` (both with ``records.TRAINING_SCHEMA``) and ``convert_summary.json``.
 
-Why groups span games: the matching game is cooperative, so both seats of one game get the same
-reward, and GRPO's advantage (r - group mean) / group std is 0 for a group of equal rewards. A
-group is therefore every trained row of one scenario in one round (``group_by="scenario"``) or of
-one scenario, round and seat (``"scenario-seat"``). Groups whose rewards are all equal carry no
-signal and are dropped unless ``keep_degenerate``; a group of one row is never written (its
+A row's reward, its group and (with ``credit="turn"``) its turn states come from the reward seam,
+``selfplay.reward``, whose docstring maps the whole path from game to advantage. Groups span
+games (a cooperative game gives both seats one reward); groups whose rewards are all equal carry
+no signal and are dropped unless ``keep_degenerate``; a group of one row is never written (its
 advantage would be the raw reward).
 
 Rows are cut from the exact tokens in the record, never re-tokenised: the prompt is the seat's
@@ -28,7 +27,7 @@ orjson and only the needed fields are checked (schema version, types, aligned to
 ``validate_records`` adds full pydantic validation.
 
 The package, one job a module, imported in this order (each only from those before it):
-``grouping`` (group keys and ids, the val split, which groups are written), ``config``
+``config``
 (``ConvertConfig``), ``rows`` (a record to its rows: the fast JSON reader and the typed one),
 ``parquet`` (Arrow batches, writers, spool), ``stats`` (reward and length statistics). This
 module is the driver: ``convert``, its summary and errors, and ``rows_table``.
@@ -50,7 +49,6 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from selfplay.convert.config import ConvertConfig, ConvertOptions
-from selfplay.convert.grouping import GroupBy, Groups, group_id, group_key, is_val_scenario
 from selfplay.convert.parquet import IO_BUFFER, SPLITS, Writers, copy_spool, to_batch
 from selfplay.convert.rows import (
     BadRecord,
@@ -64,6 +62,7 @@ from selfplay.convert.stats import LengthStats, RewardStats, Stats
 from selfplay.errors import UserError
 from selfplay.fileio import folder_lock, refuse_link
 from selfplay.records import TRAINING_SCHEMA, GameRecord, RecordError, check_record_version
+from selfplay.reward import GroupBy, Groups, group_id, group_key, is_val_scenario
 
 __all__ = [
     "MAX_REPORTED_SKIPS",
@@ -111,6 +110,8 @@ class ConvertSummary(BaseModel):
     val_fraction: float
     max_length: int
     keep_degenerate: bool
+    reward_shaping: str = "none"
+    credit: str = "episode"
     lines_skipped: int = 0  # torn, corrupt or invalid lines (see skipped)
     skipped: list[tuple[int, str]] = []  # (line number, reason), the first MAX_REPORTED_SKIPS
     games_read: int = 0
@@ -270,6 +271,8 @@ def _convert_locked(config: ConvertConfig) -> ConvertSummary:
         val_fraction=config.val_fraction,
         max_length=config.max_length,
         keep_degenerate=config.keep_degenerate,
+        reward_shaping=config.reward_shaping,
+        credit=config.credit,
     )
     # everything is written under temporary names and renamed only when all of it succeeded
     tag = f".convert-{os.getpid()}"

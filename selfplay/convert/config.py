@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from selfplay.convert.grouping import GroupBy
+from selfplay.reward import CREDITS, SHAPINGS, GroupBy, check_credit, check_shaping
 from selfplay.train.config import MaxLength
 
 
@@ -45,6 +45,27 @@ class ConvertOptions(BaseModel):
         description="Reward -P (instead of 0) for the seat whose invalid actions ended a game; "
         "its partner keeps 0.",
     )
+    reward_shaping: str = Field(
+        "none",
+        description="The shaping applied to every row's reward after the penalty, by name "
+        f"(selfplay/reward/shaping.py; built in: {', '.join(sorted(SHAPINGS))}).",
+    )
+    credit: str = Field(
+        "episode",
+        description="Where the advantage lands: "
+        + "; ".join(f"{c.name}: {c.help}" for c in CREDITS.values())
+        + " (selfplay/reward/credit.py).",
+    )
+
+    @field_validator("reward_shaping")
+    @classmethod
+    def _known_shaping(cls, name: str) -> str:
+        return check_shaping(name)
+
+    @field_validator("credit")
+    @classmethod
+    def _known_credit(cls, name: str) -> str:
+        return check_credit(name)
 
 
 class ConvertConfig(ConvertOptions):

@@ -75,6 +75,9 @@ def to_batch(rows: list[tuple[Row, int]], data_source: str) -> pa.RecordBatch:
         "reward": reward,
         "off_policy": pa.array([r.off_policy for r, _ in rows], pa.bool_()),
         "temperature": pa.array([r.temperature for r, _ in rows], pa.float32()),
+        "turn_states": pa.array(
+            [r.turn_states for r, _ in rows], TRAINING_SCHEMA.field("turn_states").type
+        ),
         "tokenizer_fingerprint": pa.array([r.tokenizer_fingerprint for r, _ in rows], pa.string()),
         "messages": messages,
         "data_source": pa.repeat(pa.scalar(data_source, pa.string()), n),

@@ -24,8 +24,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from selfplay.convert.config import ConvertConfig
-from selfplay.convert.grouping import game_kind, group_key
 from selfplay.records import GameRecord, SeatTokens, known_game
+from selfplay.reward import CREDITS, GameResult, game_kind, group_key, row_reward
 from selfplay.seats import SeatConfig
 
 # Speed matters here (thousands of games of ~3,000 tokens per second). The token lists go from
@@ -56,6 +56,7 @@ class Row(NamedTuple):
     n_prompt_messages: int
     off_policy: bool = False  # a scripted guide's turns (a trained seat of kind "scripted")
     temperature: float | None = None  # the seat's sampling temperature (None: not sampled)
+    turn_states: np.ndarray | None = None  # int64 state id per own turn (--credit turn only)
 
 
 class RecordRows(NamedTuple):
@@ -75,10 +76,8 @@ class _Game(NamedTuple):
     game_id: str
     scenario_id: str
     round: int
-    reward: float
-    outcome: str
-    offender: int | None  # the seat that gets -invalid_penalty instead of the reward
-    kind: str = ""  # grouping.game_kind: the game and its table size
+    result: GameResult  # what the row's reward reads (selfplay.reward.row_reward)
+    kind: str = ""  # reward.game_kind: the game and its table size
 
 
 class _SeatLists(NamedTuple):
@@ -121,29 +120,19 @@ def rows_of_json(obj: dict, config: ConvertConfig) -> RecordRows:
     tokens = obj.get("tokens", [None, None])
     if len(seats) != 2 or not isinstance(tokens, list) or len(tokens) != 2:
         raise BadRecord("seats and tokens must each have two entries (seats 0 and 1)")
-    offender = None
-    if config.invalid_penalty and obj.get("outcome") == "invalid":
-        actions = obj.get("actions")
-        if isinstance(actions, list) and actions and isinstance(actions[-1], dict):
-            offender = _offender(actions[-1].get("seat"))
     kind = game_kind(name, obj.get("scenario"))
-    game = _Game(game_id, scenario_id, rnd, reward, str(obj.get("outcome")), offender, kind)
+    game = _Game(game_id, scenario_id, rnd, GameResult.of_json(obj, reward), kind)
     return _rows(game, _json_seats(seats, tokens), config, from_json=True)
 
 
 def rows_of_record(record: GameRecord, config: ConvertConfig) -> RecordRows:
     """The typed path: the rows of a GameRecord, exactly those rows_of_json cuts from its JSON.
     Raises BadRecord where the record holds values the training file cannot."""
-    offender = None
-    if config.invalid_penalty and record.outcome == "invalid" and record.actions:
-        offender = _offender(record.actions[-1].seat)
     game = _Game(
         record.game_id,
         record.scenario_id,
         record.round,
-        _finite(record.reward),
-        str(record.outcome),
-        offender,
+        GameResult.of_record(record, _finite(record.reward)),
         game_kind(record.game, record.scenario),
     )
     seats = (
@@ -188,12 +177,6 @@ def _finite(reward: float) -> float:
     if not math.isfinite(reward):
         raise BadRecord(f"reward {reward!r} is not a finite number")
     return float(reward)
-
-
-def _offender(seat: Any) -> int | None:
-    """The seat whose consecutive invalid actions ended a game with outcome "invalid", from the
-    seat of its last action (None if that is not a seat)."""
-    return seat if seat in (0, 1) else None
 
 
 def _temperature(sampling: Any) -> float | None:
@@ -257,7 +240,7 @@ def _rows(
             too_long += 1
         else:
             rows.append(row)
-    return RecordRows(rows, game.outcome, no_tokens, no_own, too_long, game.game_id)
+    return RecordRows(rows, game.result.outcome, no_tokens, no_own, too_long, game.game_id)
 
 
 def _cut(
@@ -313,6 +296,11 @@ def _cut(
         raise BadRecord(f"{where}logprobs must be finite float32 numbers")
     if end > config.max_length:
         return _Drop.TOO_LONG
+    response_mask = np.frombuffer(mask, np.int8)[first:end]
+    states = CREDITS[config.credit].states  # the turn states of --credit turn
+    turn_states = None
+    if states is not None:
+        turn_states = states(ids[:first], ids[first:end], response_mask, seat)
     return Row(
         group_key=group_key(config.group_by, game.scenario_id, game.round, seat, game.kind),
         game_id=game.game_id,
@@ -321,9 +309,11 @@ def _cut(
         round=game.round,
         prompt_ids=ids[:first],
         response_ids=ids[first:end],
-        response_mask=np.frombuffer(mask, np.int8)[first:end],
+        response_mask=response_mask,
         rollout_logprobs=logprobs,
-        reward=-config.invalid_penalty if seat == game.offender else game.reward,
+        reward=row_reward(
+            game.result, seat, invalid_penalty=config.invalid_penalty, shaping=config.reward_shaping
+        ),
         tokenizer_fingerprint=fingerprint,
         messages=messages,
         n_prompt_messages=next(
@@ -332,4 +322,5 @@ def _cut(
         ),
         off_policy=tok.off_policy,
         temperature=None if tok.off_policy else tok.temperature,
+        turn_states=turn_states,
     )

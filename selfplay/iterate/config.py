@@ -293,6 +293,8 @@ ADDED_LATER = {
     "policy_seat": 1,
     "partner_base_url": None,
     "invalid_penalty": 0.0,
+    "reward_shaping": "none",
+    "credit": "episode",
     "warm_start": None,
     "warm_start_lr": 1e-4,
     "warm_start_epochs": 1,

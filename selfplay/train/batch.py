@@ -1,4 +1,5 @@
-"""Training rows -> verl batches: reading and checking the parquet, padding, GRPO advantages.
+"""Training rows -> verl batches: reading and checking the parquet, padding (the advantages are
+the reward seam's, ``selfplay.reward.advantage``).
 
 Pure functions over pyarrow tables and CPU tensors (no workers, no devices), so each piece is
 unit-testable. The tensor layout is verl's ``update_actor`` contract:
@@ -26,6 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from selfplay.errors import UserError
+from selfplay.reward import turn_spans
 from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,9 @@ REQUIRED_COLUMNS = (
     "reward",
     "tokenizer_fingerprint",
 )
-# absent in files written before guided groups (off_policy) or the sampling temperature
-OPTIONAL_COLUMNS = ("off_policy", "temperature")
+# absent in files written before guided groups (off_policy), the sampling temperature or turn
+# credit (turn_states)
+OPTIONAL_COLUMNS = ("off_policy", "temperature", "turn_states")
 
 
 class TrainDataError(UserError, ValueError):
@@ -136,6 +139,7 @@ class Rows:
     rewards: np.ndarray  # [N] float32
     off_policy: np.ndarray | None = None  # [N] bool: a guide's row; None: none is
     temperature: np.ndarray | None = None  # [N] float: sampled at; NaN: unknown; None: no column
+    turn_states: list[np.ndarray | None] | None = None  # per row, a state id per turn; None: none
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -151,6 +155,7 @@ class Rows:
             rewards=self.rewards[idx],
             off_policy=None if self.off_policy is None else self.off_policy[idx],
             temperature=None if self.temperature is None else self.temperature[idx],
+            turn_states=None if self.turn_states is None else [self.turn_states[i] for i in idx],
         )
 
 
@@ -166,6 +171,7 @@ def rows_from_table(table: pa.Table, max_length: int | None = None, *, groups: b
         rewards=np.asarray(table.column("reward").to_pylist(), dtype=np.float32),
         off_policy=_off_policy(table),
         temperature=_temperature(table),
+        turn_states=_turn_states(table),
     )
     for i in range(len(rows)):
         p, r, m, lp = rows.prompts[i], rows.responses[i], rows.masks[i], rows.rollout_logprobs[i]
@@ -186,6 +192,12 @@ def rows_from_table(table: pa.Table, max_length: int | None = None, *, groups: b
             )
         if not np.isfinite(rows.rewards[i]):
             raise TrainDataError(f"{where} has a non-finite reward {rows.rewards[i]}")
+        states = None if rows.turn_states is None else rows.turn_states[i]
+        if states is not None and len(states) != len(turn_spans(m)):
+            raise TrainDataError(
+                f"{where} has {len(states)} turn_states but {len(turn_spans(m))} own turns "
+                "(runs of mask-1 tokens); convert the games again"
+            )
         if max_length is not None and len(p) + len(r) > max_length:
             raise TrainDataError(
                 f"{where} is {len(p) + len(r)} tokens long, over max_length {max_length}; "
@@ -216,6 +228,16 @@ def _temperature(table: pa.Table) -> np.ndarray | None:
         return None
     values = table.column("temperature").to_pylist()
     return np.asarray([np.nan if t is None else t for t in values], dtype=np.float64)
+
+
+def _turn_states(table: pa.Table) -> list[np.ndarray | None] | None:
+    """Each row's turn state ids (written by convert --credit turn; None when no row has them)."""
+    if "turn_states" not in table.column_names or table.column("turn_states").null_count == len(
+        table
+    ):
+        return None
+    values = table.column("turn_states").to_pylist()
+    return [None if v is None else np.asarray(v, dtype=np.int64) for v in values]
 
 
 def full_sequence_mask(prompts: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -261,34 +283,6 @@ def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
         flags = torch.from_numpy(rows.off_policy.astype(np.float32))[:, None]
         batch["off_policy"] = flags * response_mask.float()
     return batch
-
-
-def grpo_advantages(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: np.ndarray,
-    std_norm: bool = True,
-) -> torch.Tensor:
-    """verl's GRPO outcome advantage with our group ids (0 on every mask-0 position)."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
-    index = np.asarray([str(g) for g in group_ids], dtype=object)
-    advantages, _ = compute_grpo_outcome_advantage(
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask.float(),
-        index=index,
-        norm_adv_by_std_in_grpo=std_norm,
-    )
-    return advantages
-
-
-def row_advantages(rows: Rows, std_norm: bool = True) -> np.ndarray:
-    """One GRPO advantage per row over the whole dataset (groups are dataset-wide)."""
-    n = len(rows)
-    rewards = torch.zeros((n, 1))
-    rewards[:, 0] = torch.from_numpy(rows.rewards)
-    adv = grpo_advantages(rewards, torch.ones((n, 1)), rows.group_ids, std_norm=std_norm)
-    return adv[:, 0].numpy()
 
 
 def to_tensordict(tensors: dict[str, torch.Tensor], temperature: float = 1.0, **non_tensors):

@@ -2,7 +2,8 @@
 
 1. Check everything that can be checked without a device: the parquet (schema, rows), the
    tokenizer fingerprint of the rows against ``--model``'s, batch sizes against the row count.
-2. GRPO advantages over the whole data set with verl's own function (groups are dataset-wide).
+2. GRPO advantages over the whole data set with the reward seam (``selfplay.reward``: verl's own
+   function per row, groups dataset-wide; rows with turn states get per-token turn credit).
 3. Per step: the actor recomputes the old log-probs (and, with ``rollout_is="tis"``, verl's
    truncated importance weights against the generator's log-probs); the reference worker gives
    reference log-probs when a KL loss is on; verl's PPO-clip update runs on the batch.
@@ -30,9 +31,9 @@ from selfplay.train.batch import (
     check_tokenizer,
     collate,
     read_rows,
-    row_advantages,
     rows_from_table,
 )
+from selfplay.reward import row_advantages, token_advantages
 from selfplay.train.config import TrainConfig
 from selfplay.train.publish import METRICS_FILENAME, publish
 
@@ -87,12 +88,13 @@ class Plan:
     """What will be trained, decided before any model is loaded."""
 
     rows: Rows
-    advantages: np.ndarray  # [N] one GRPO advantage per row
+    advantages: np.ndarray  # [N] one GRPO advantage per row (the episode's)
     pad_id: int
     batch_size: int
     mini_batch_size: int
     steps_per_epoch: int
     micro_batch_size: int  # per device; divides mini_batch_size / world size (verl requires it)
+    token_advantages: list[np.ndarray] | None = None  # per row, per response token (turn credit)
 
 
 def _vocab_size(model: str, tokenizer) -> int:
@@ -198,7 +200,14 @@ def plan(cfg: TrainConfig) -> Plan:
     if flat:
         log.info("%d of %d rows have advantage 0 (their group's rewards are all equal)", flat, n)
     micro = micro_batch(mini, cfg)
-    return Plan(rows, advantages, pad_id, batch, mini, steps, micro)
+    per_token = None
+    if rows.turn_states is not None:
+        per_token = token_advantages(
+            rows, rows.masks, rows.turn_states, advantages, std_norm=cfg.std_norm
+        )
+        with_states = sum(s is not None for s in rows.turn_states)
+        log.info("turn credit: %d of %d rows carry turn states", with_states, n)
+    return Plan(rows, advantages, pad_id, batch, mini, steps, micro, per_token)
 
 
 def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
@@ -249,8 +258,15 @@ def step_batch(p: Plan, idx: np.ndarray) -> dict[str, torch.Tensor]:
     """The padded tensors of rows ``idx`` with their advantages (0 on mask-0 positions)."""
     rows = p.rows.select(idx)
     batch = collate(rows, p.pad_id)
-    adv = torch.from_numpy(p.advantages[idx]).float()[:, None]
-    batch["advantages"] = adv * batch["response_mask"].float()
+    if p.token_advantages is None:
+        adv = torch.from_numpy(p.advantages[idx]).float()[:, None]
+        batch["advantages"] = adv * batch["response_mask"].float()
+        return batch
+    adv = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    for row, i in enumerate(idx):
+        values = p.token_advantages[int(i)]
+        adv[row, : len(values)] = torch.from_numpy(values)
+    batch["advantages"] = adv
     return batch
 
 

@@ -1,5 +1,10 @@
 """GRPO groups: which rows share a group (key and id), which scenarios are validation, and which
-groups are written (two rows or more, rewards that differ unless degenerate groups are kept)."""
+groups are written (two rows or more, rewards that differ unless degenerate groups are kept).
+
+Why groups span games: the matching game is cooperative, so both seats of one game get the same
+reward, and GRPO's advantage (r - group mean) / group std is 0 for a group of equal rewards. A
+group is therefore every trained row of one scenario in one round (``GroupBy.SCENARIO``) or of
+one scenario, round and seat (``GroupBy.SCENARIO_SEAT``)."""
 
 from __future__ import annotations
 
