@@ -40,8 +40,7 @@ from selfplay.reward.advantage import (
     token_advantages,
 )
 from selfplay.reward.credit import CREDITS, TURN_WEIGHT, Credit, check_credit, turn_spans
-from selfplay.reward.groups import GroupBy, Groups, game_kind, group_id, group_key
-from selfplay.reward.groups import is_val_scenario
+from selfplay.reward.groups import GroupBy, Groups, game_kind, group_id, group_key, is_val_scenario
 from selfplay.reward.shaping import SHAPINGS, GameResult, check_shaping, row_reward, shaping
 
 __all__ = [
@@ -55,9 +54,9 @@ __all__ = [
     "check_credit",
     "check_shaping",
     "game_kind",
-    "grpo_advantages",
     "group_id",
     "group_key",
+    "grpo_advantages",
     "is_val_scenario",
     "row_advantages",
     "row_reward",

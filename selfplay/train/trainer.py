@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from selfplay.reward import row_advantages, token_advantages
 from selfplay.train.batch import (
     Rows,
     TrainDataError,
@@ -33,7 +34,6 @@ from selfplay.train.batch import (
     read_rows,
     rows_from_table,
 )
-from selfplay.reward import row_advantages, token_advantages
 from selfplay.train.config import TrainConfig
 from selfplay.train.publish import METRICS_FILENAME, publish
 
