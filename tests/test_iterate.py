@@ -525,7 +525,8 @@ def test_a_model_a_skipped_round_handed_on_keeps_its_heldout_result(tmp_path):
             raise RuntimeError("evaluated")
 
     assert heldout_due(cfg, 1, "m", run.manifest) is None
-    assert heldout_stage(cfg, 1, "m", run.manifest, Child()) == (before, {})
+    carried = heldout_stage(cfg, 1, "m", run.manifest, Child()).info
+    assert carried.result == before and carried.carried and not carried.baselines
     assert heldout_due(cfg, 1, "n", run.manifest) == tmp_path / "x" / "eval" / "after_1_rounds"
     with pytest.raises(RuntimeError, match="evaluated"):
         heldout_stage(cfg, 1, "n", run.manifest, Child())

@@ -54,7 +54,7 @@ from selfplay.convert import ConvertConfig, ConvertOptions, rows_table
 from selfplay.fileio import atomic_write
 from selfplay.iterate.child import _hold
 from selfplay.iterate.config import IterateConfig
-from selfplay.manifest import StageRecord
+from selfplay.manifest import ConvertInfo, StageRecord
 from selfplay.records import GameRecord, iter_game_records, line_game_id
 
 log = logging.getLogger(__name__)
@@ -155,17 +155,17 @@ def select_stage(
         cleaned = [without_invalid_turns(r) for r in cloned]
         cloned, skipped = [r for r, _ in cleaned], sum(n for _, n in cleaned)
     table, counts = rows_table(cloned, cut)
-    info = {
-        "games": len(games),
-        "games_kept": len(kept),
-        "games_replayed": len(replayed),
-        "scenarios": len({r.scenario_id for r in games}),
-        "reward_mean_all": _mean(r.reward for r in games),
-        "reward_mean_kept": _mean(r.reward for r in kept),
-        "rows_train": table.num_rows,
-        "rows_too_long": counts["too_long"],
-        "invalid_turns_skipped": skipped,
-    }
+    info = ConvertInfo(
+        games=len(games),
+        games_kept=len(kept),
+        games_replayed=len(replayed),
+        scenarios=len({r.scenario_id for r in games}),
+        reward_mean_all=_mean(r.reward for r in games),
+        reward_mean_kept=_mean(r.reward for r in kept),
+        rows_train=table.num_rows,
+        rows_too_long=counts["too_long"],
+        invalid_turns_skipped=skipped,
+    )
     log.info(
         "round %d: kept %d of %d games (top %d per scenario, reward >= %s%s): mean reward %.3f "
         "of all, %.3f of the kept; with %d kept in earlier rounds, %d rows (%d invalid turns "
@@ -176,8 +176,8 @@ def select_stage(
         cfg.ei_top_k,
         cfg.ei_min_reward,
         ", above its scenario's mean" if cfg.ei_above_mean else "",
-        info["reward_mean_all"] or 0.0,
-        info["reward_mean_kept"] or 0.0,
+        info.reward_mean_all or 0.0,
+        info.reward_mean_kept or 0.0,
         len(replayed),
         table.num_rows,
         skipped,

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from selfplay.fileio import atomic_write
 from selfplay.game import get_game
 from selfplay.iterate.config import IterateConfig
+from selfplay.manifest import ConvertInfo
 from selfplay.records import GameRecord, dump_record, iter_game_records
 from selfplay.seeds import derive_seed
 
@@ -89,9 +90,10 @@ def guide_games(
     return asyncio.run(play())
 
 
-def write_guided_games(cfg: IterateConfig, k: int, model: str) -> tuple[object, dict]:
+def write_guided_games(cfg: IterateConfig, k: int, model: str) -> tuple[object, ConvertInfo]:
     """Write round ``k``'s guide games and the file convert reads (the model's games, then the
-    guide's); return that file's path and what the stage records."""
+    guide's); return that file's path and what the convert stage records of them (its guide
+    fields)."""
     from selfplay.players.llm import load_chat_format
 
     rdir = cfg.round_dir(k)
@@ -105,17 +107,17 @@ def write_guided_games(cfg: IterateConfig, k: int, model: str) -> tuple[object, 
         data += b"\n"
     path = atomic_write(rdir / "guided.jsonl", data + guide_lines)
     rewards = [r.reward for r in guides]
-    info = {
-        "guide_games": len(guides),
-        "guide_reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        "guided_scenarios": len({r.scenario_id for r in guides}),
-    }
+    info = ConvertInfo(
+        guide_games=len(guides),
+        guide_reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        guided_scenarios=len({r.scenario_id for r in guides}),
+    )
     log.info(
         "round %d: %d guide games (%s) on %d scenarios, mean reward %s",
         k,
         len(guides),
         cfg.guide,
-        info["guided_scenarios"],
-        f"{info['guide_reward_mean']:.3f}" if rewards else "-",
+        info.guided_scenarios,
+        f"{info.guide_reward_mean:.3f}" if rewards else "-",
     )
     return path, info

@@ -1,11 +1,11 @@
-"""The two stages outside a round: the warm start and the held-out evaluation."""
+"""The two stages outside a round: the warm start and the held-out evaluation (placed in the run's
+table before the warm start, before each round and after the last; ``loop.table``)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from selfplay.game import get_game
 from selfplay.generate.config import PlayOptions
 from selfplay.iterate.child import StageChild, _hold, isolated
 from selfplay.iterate.config import IterateConfig, IterateError
-from selfplay.manifest import Manifest, StageRecord
+from selfplay.manifest import HeldoutInfo, Manifest, StageRecord, WarmStartInfo
 from selfplay.metrics import HeldOut
 from selfplay.players.partners import PartnerOptions
 from selfplay.records import SamplingParams
@@ -45,20 +45,20 @@ def warm_start_config(cfg: IterateConfig):
     )
 
 
-def _warm_start_sft(cfg: IterateConfig) -> dict[str, Any]:
+def _warm_start_sft(cfg: IterateConfig) -> WarmStartInfo:
     """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
     from selfplay.iterate.sft import sft
 
     result = sft(warm_start_config(cfg))
     losses = [s.loss for s in result.steps]
-    return {
-        "rows": result.rows,
-        "rows_by_source": result.sources,
-        "updates": result.steps[-1].step if result.steps else 0,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
-        "tokens_per_s": float(np.mean([s.tokens_per_s for s in result.steps])),
-    }
+    return WarmStartInfo(
+        rows=result.rows,
+        rows_by_source=result.sources,
+        updates=result.steps[-1].step if result.steps else 0,
+        loss_first=losses[0] if losses else None,
+        loss_last=losses[-1] if losses else None,
+        tokens_per_s=float(np.mean([s.tokens_per_s for s in result.steps])),
+    )
 
 
 def warm_start_stage(cfg: IterateConfig) -> StageRecord:
@@ -67,7 +67,7 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     assert cfg.warm_start is not None
     started = time.time()
     if not cfg.warm_start.startswith("scripted:"):
-        return StageRecord.since(started, artifacts={"model": cfg.warm_start})
+        return StageRecord.since(started, artifacts={"model": cfg.warm_start}, info=WarmStartInfo())
     out = cfg.warm_start_dir  # the loop cleared the way (Run.claim: its own leftovers only)
     _hold(cfg.run_dir, "warm_start")
     log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
@@ -75,9 +75,8 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     from selfplay.train.model_card import annotate
 
     annotate(out, name=f"{cfg.name} (warm start)")
-    return StageRecord.since(
-        started, artifacts={"model": str(out)}, info={**info, "peak_rss_mb": rss}
-    )
+    info = info.model_copy(update={"peak_rss_mb": rss})
+    return StageRecord.since(started, artifacts={"model": str(out)}, info=info)
 
 
 def eval_config(
@@ -195,21 +194,23 @@ def heldout_stage(
     model: str,
     manifest: Manifest,
     child: StageChild | None = None,
-) -> tuple[HeldOut, dict[str, HeldOut]] | None:
-    """The held-out result of ``model`` after ``k`` rounds (None: the initial model, before the
-    warm start) and the baselines when the run has none yet; None when there is nothing to do
-    (no held-out scenarios, the initial model with ``eval_initial`` off, or already evaluated).
-    A model that a skipped round carried forward keeps its result. Runs in ``child`` when given
-    (the loop's child, kept for the next round's generate with the same model), else in a child
-    of its own."""
+) -> StageRecord | None:
+    """The held-out stage of ``model`` after ``k`` rounds (None: the initial model, before the
+    warm start): its result and the baselines when the run has none yet (``HeldoutInfo``); None
+    when there is nothing to do (no held-out scenarios, the initial model with ``eval_initial``
+    off, or already evaluated). A model that a skipped round carried forward keeps its result
+    (``carried``). Runs in ``child`` when given (the loop's child, kept for the next round's
+    generate with the same model), else in a child of its own."""
+    started = time.time()
     held = manifest.heldout
     if cfg.eval_scenarios and k not in held and _carried(k, model, held):
-        return held[k - 1], {}
+        return StageRecord.since(started, info=HeldoutInfo(result=held[k - 1], carried=True))
     out = heldout_due(cfg, k, model, manifest)
     if out is None:
         return None
     log.info("held-out evaluation of %s on %d scenarios", model, cfg.eval_scenarios)
     args = (_heldout_eval, cfg, model, out, not manifest.baselines)
-    (result, base), _ = child.run(*args) if child is not None else isolated(*args)
+    (result, base), rss = child.run(*args) if child is not None else isolated(*args)
     heldout_recorded(cfg, k, model, result)
-    return result, base
+    info = HeldoutInfo(result=result, baselines=base, peak_rss_mb=rss)
+    return StageRecord.since(started, info=info)

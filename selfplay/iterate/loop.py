@@ -1,4 +1,16 @@
-"""The self-play loop: generate -> convert -> train per round, resumable from a run manifest.
+"""The self-play loop: the run's table of stages (``table``), run row by row, resumable from the
+run's manifest. Every stage is a row that returns a typed record (``manifest.STAGE_INFO``):
+
+    heldout (initial model)   only with a warm start (and ``eval_initial``)
+    warm_start
+    per round K:
+      heldout (after K rounds)  the model round K starts from; beside its generate when it can
+      generate, convert, train
+    heldout (after the last round)
+    test                      the test split, played once (``test_scenarios``)
+
+A held-out row is left out when the run has no held-out scenarios, the test row when it plays no
+test split.
 
 Layout of a run named RUN:
 
@@ -8,7 +20,7 @@ Layout of a run named RUN:
     data/RUN/round_K/train.parquet    convert (atomic; val.parquet and convert_summary.json beside)
     data/RUN/round_K/selected.jsonl   expert iteration: the games its convert kept (iterate/expert)
     data/RUN/round_K/guide.jsonl      --guide: the guide's games (iterate/guided)
-    data/RUN/round_K/eval/            held-out evaluation of the model round K starts from
+    data/RUN/eval/after_K_rounds/     held-out evaluation of the model round K starts from
     checkpoints/RUN/warm_start/       the warm start (SFT) before round 0, when asked for
     checkpoints/RUN/round_K/          train: the HF model of round K+1 (and verl's checkpoint)
 
@@ -33,25 +45,32 @@ import os
 from selfplay.fileio import folder_lock
 from selfplay.iterate.child import STAGE_LOG_ENV, Generate, StageChild, _default_generate
 from selfplay.iterate.config import IterateConfig
-from selfplay.iterate.heldout import (
-    heldout_due,
-    heldout_recorded,
-    heldout_stage,
-    warm_start_stage,
-)
-from selfplay.iterate.resume import Run
-from selfplay.iterate.stages import (
-    beside_possible,
-    generate_beside_heldout,
-    next_model,
-    prune_checkpoints,
-    stages,
-)
-from selfplay.iterate.test_split import test_stage
-from selfplay.iterate.track import round_metrics, track_round
+from selfplay.iterate.resume import ROUND_STAGES, Row, Run
+from selfplay.iterate.stages import Stages, beside_possible
+from selfplay.iterate.track import track_finished
 from selfplay.tracking import open_tracker
 
 log = logging.getLogger(__name__)
+
+
+def table(cfg: IterateConfig, beside: bool = False) -> list[Row]:
+    """The run's stages in the order they run, each at its placement. ``beside``: a round's
+    held-out evaluation plays beside its generate (``stages.beside_possible``)."""
+    held = cfg.eval_scenarios > 0
+    rows: list[Row] = []
+    if cfg.warm_start is not None:
+        if held and cfg.eval_initial:
+            rows.append(Row("heldout", None))  # the initial model, before the warm start
+        rows.append(Row("warm_start"))
+    for k in range(cfg.iterations):
+        if held:
+            rows.append(Row("heldout", k, beside=beside))  # the model round k starts from
+        rows += [Row(name, k) for name in ROUND_STAGES]
+    if held:
+        rows.append(Row("heldout", cfg.iterations))  # the last model
+    if cfg.test_scenarios:
+        rows.append(Row("test"))
+    return rows
 
 
 def iterate(
@@ -71,18 +90,6 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
         stage_log = config.run_dir / "run.log"
         os.environ[STAGE_LOG_ENV] = str(stage_log)
         log.info("the stages' library output (verl, torch, transformers) goes to %s", stage_log)
-    start = config.model
-    if config.warm_start is not None:
-        if (held := heldout_stage(config, None, config.model, run.manifest)) is not None:
-            run.record_heldout(None, *held)
-        if run.manifest.warm_start is None:
-            made = config.warm_start_dir if config.warm_start.startswith("scripted:") else None
-            if made is not None:
-                run.claim(made, "warm start")
-            run.record_warm_start(warm_start_stage(config), made)
-        model = start = run.manifest.warm_start.artifacts["model"]
-    else:
-        model = config.model
     # the held-out evaluation of a model and the next round's generate with it share a child
     # process (one start, one model load); generate closes it before the round trains
     child = StageChild()
@@ -96,41 +103,15 @@ def _iterate_locked(config: IterateConfig, force: bool, generate: Generate) -> R
             config=config.model_dump(mode="json"),
         ) as tracker,
     ):
-        for k in range(config.iterations):
-            due = heldout_due(config, k, model, run.manifest)
-            generated = k in run.manifest.rounds and "generate" in run.manifest.rounds[k].stages
-            if due is not None and not generated and beside_possible(config, generate):
-                run.start_round(k, model)  # checks a resumed round's model before the work
-                held, games = generate_beside_heldout(
-                    config, k, model, due, not run.manifest.baselines, child
-                )
-                heldout_recorded(config, k, model, held[0])
-                run.record_heldout(k, *held)
-                run.record(k, "generate", games)
-            elif (held := heldout_stage(config, k, model, run.manifest, child)) is not None:
-                run.record_heldout(k, *held)
-            if k > 0 and tracker is not None:  # the last round's result is recorded now
-                track_round(run, tracker, k - 1)
-            rnd = run.start_round(k, model)
-            if "generate" in rnd.stages:  # resumed after its games: nothing to share the child
-                child.close()
-            for name, stage in stages(config, generate, child):
-                if name not in rnd.stages:
-                    made = config.checkpoint_dir(k) if name == "train" else None
-                    if made is not None:
-                        run.claim(made, f"round {k} train")
-                    run.record(k, name, stage(config, k, model, rnd.stages), made)
-            prune_checkpoints(config, run.manifest)
-            if rnd.metrics is None:
-                run.record_round_metrics(k, round_metrics(rnd, config.round_dir(k) / "games.jsonl"))
-            model = next_model(rnd)
-            if k + 1 < config.iterations and beside_possible(config, generate):
-                continue  # the new model's evaluation plays beside the next round's games
-            if (held := heldout_stage(config, k + 1, model, run.manifest, child)) is not None:
-                run.record_heldout(k + 1, *held)
-            if tracker is not None:
-                track_round(run, tracker, k)
-    if (test := test_stage(config, run.manifest, start, model)) is not None:
-        run.record_test(test)
+        stages = Stages(config, run, generate, child)
+        for row in table(config, beside_possible(config, generate)):
+            stages.enter(row)
+            if not run.done(row):
+                for finished in stages.play(row):
+                    run.record(*finished)
+            stages.leave(row)
+            if tracker is not None:  # a round is sent once its model's held-out result is in
+                track_finished(run, tracker)
+        model = stages.model(config.iterations)
     log.info("run %s: %d round(s) done; latest model %s", config.name, config.iterations, model)
     return run

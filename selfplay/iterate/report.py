@@ -177,11 +177,11 @@ def _heldout_table(manifest: Manifest) -> list[str]:
             "",
         ]
     if warm:
-        info = warm.info
+        info = warm.info  # a WarmStartInfo; no rows for a model given as is
         extra = (
-            f" ({info.get('rows')} rows, {info.get('updates')} updates, loss "
-            f"{info.get('loss_first', 0):.3f} -> {info.get('loss_last', 0):.3f})"
-            if info
+            f" ({info.rows} rows, {info.updates} updates, loss "
+            f"{info.loss_first or 0:.3f} -> {info.loss_last or 0:.3f})"
+            if info.rows is not None
             else ""
         )
         md += [

@@ -1,4 +1,5 @@
-"""The run's manifest on disk (``Run``): created, read back, replaced atomically."""
+"""The run's manifest on disk (``Run``): created, read back, replaced atomically; which rows of
+the run's table (``Row``) are done, and where each row's record is kept."""
 
 from __future__ import annotations
 
@@ -6,18 +7,25 @@ import logging
 import platform
 import shutil
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import orjson
-from pydantic import (
-    BaseModel,
-)
+from pydantic import BaseModel
 
 from selfplay.fileio import atomic_write
 from selfplay.iterate.config import ADDED_LATER, IterateConfig, IterateError, config_identity
-from selfplay.manifest import Manifest, RoundRecord, StageRecord, read_manifest
-from selfplay.metrics import HeldOut, RoundMetrics
+from selfplay.manifest import (
+    HeldoutInfo,
+    Manifest,
+    RoundRecord,
+    RoundStats,
+    StageRecord,
+    TestInfo,
+    read_manifest,
+)
+from selfplay.metrics import RoundMetrics
 from selfplay.train.model_card import git_commit
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,27 @@ def _shown(identity: dict, key: str) -> str:
     if key in identity:
         return repr(identity[key])
     return f"{ADDED_LATER[key]!r} (default)" if key in ADDED_LATER else "(none)"
+
+
+ROUND_STAGES = ("generate", "convert", "train")  # a round's stages, in order
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the run's table (``loop.table``): a stage at its placement. ``at`` is the round
+    of a round's stage; of the held-out stage, the rounds behind the model it evaluates (None:
+    the initial model, before the warm start); unused by the warm start and the test split."""
+
+    stage: str  # heldout, warm_start, generate, convert, train, test
+    at: int | None = None
+    beside: bool = False  # the held-out stage: played beside its round's generate when it can
+
+    def __str__(self) -> str:
+        if self.stage == "heldout":
+            return "held-out evaluation of the " + (
+                "initial model" if self.at is None else f"model after {self.at} round(s)"
+            )
+        return self.stage if self.at is None else f"round {self.at} {self.stage}"
 
 
 class Run:
@@ -130,43 +159,53 @@ class Run:
             self.manifest.unfinished.append(key)
             self.save()
 
-    def record(self, k: int, stage: str, rec: StageRecord, made: Path | None = None) -> None:
-        """Record round ``k``'s finished stage; ``made``: the folder it claimed, now finished."""
-        self.manifest.rounds[k].stages[stage] = rec
+    def done(self, row: Row) -> bool:
+        """Whether ``row``'s stage finished (its record is in the manifest)."""
+        m = self.manifest
+        if row.stage == "heldout":
+            return m.heldout_initial is not None if row.at is None else row.at in m.heldout
+        if row.stage == "warm_start":
+            return m.warm_start is not None
+        if row.stage == "test":
+            return bool(m.test)
+        return row.at in m.rounds and row.stage in m.rounds[row.at].stages
+
+    def record(self, row: Row, rec: StageRecord, made: Path | None = None) -> None:
+        """Record ``row``'s finished stage; ``made``: the folder it claimed, now finished. A
+        round's stage goes into its round; the warm start into ``warm_start``; a held-out result
+        into ``heldout`` (``heldout_initial`` for the initial model) with the baselines when they
+        were played; the test split's rows into ``test``: where every reader looks for them."""
+        m = self.manifest
+        if row.stage == "heldout":
+            assert isinstance(rec.info, HeldoutInfo)
+            if row.at is None:
+                m.heldout_initial = rec.info.result
+            else:
+                m.heldout[row.at] = rec.info.result
+            if rec.info.baselines:
+                m.baselines = rec.info.baselines
+        elif row.stage == "warm_start":
+            m.warm_start = rec
+        elif row.stage == "test":
+            assert isinstance(rec.info, TestInfo)
+            m.test = rec.info.rows
+        else:
+            assert row.at is not None and row.stage in ROUND_STAGES, row
+            m.rounds[row.at].stages[row.stage] = rec
         self._finished(made)
         self.save()
+        if row.stage == "heldout":
+            self.write_metrics()
 
     def _finished(self, made: Path | None) -> None:
         if made is not None:
             key = str(made.resolve())
             self.manifest.unfinished = [p for p in self.manifest.unfinished if p != key]
 
-    def record_round_metrics(self, k: int, metrics: dict) -> None:
+    def record_round_metrics(self, k: int, metrics: RoundStats) -> None:
         self.manifest.rounds[k].metrics = metrics
         self.save()
         self.write_metrics()
-
-    def record_warm_start(self, rec: StageRecord, made: Path | None = None) -> None:
-        self.manifest.warm_start = rec
-        self._finished(made)
-        self.save()
-
-    def record_heldout(self, k: int | None, result: HeldOut, baselines: dict[str, HeldOut]) -> None:
-        """The held-out result of the model after ``k`` rounds (None: the initial model, before
-        the warm start), and the baselines when they were played with it."""
-        if k is None:
-            self.manifest.heldout_initial = result
-        else:
-            self.manifest.heldout[k] = result
-        if baselines:
-            self.manifest.baselines = baselines
-        self.save()
-        self.write_metrics()
-
-    def record_test(self, rows: dict[str, HeldOut]) -> None:
-        """The test split's rows (``iterate.test_split``), played once at the end of the run."""
-        self.manifest.test = rows
-        self.save()
 
     def write_metrics(self) -> None:
         """metrics.jsonl: per finished round its games' statistics, its training, and the
@@ -176,7 +215,10 @@ class Run:
         lines = [
             orjson.dumps(
                 RoundMetrics(
-                    round=k, **r.metrics, heldout=held.get(k), heldout_after=held.get(k + 1)
+                    round=k,
+                    **r.metrics.model_dump(),
+                    heldout=held.get(k),
+                    heldout_after=held.get(k + 1),
                 ).model_dump(mode="json")
             )
             for k, r in sorted(self.manifest.rounds.items())

@@ -1,13 +1,14 @@
-"""A round's stages: generate, convert, train; checkpoint pruning."""
+"""The stages of the run's table (``loop.table``): a round's generate, convert and train, the
+held-out evaluation beside a generate, and ``Stages``, which runs any row of the table for the
+run as it stands (the model a row plays with is read from the manifest); checkpoint pruning."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,14 +17,22 @@ from selfplay.engines import ServerEngineConfig
 from selfplay.generate.config import GenerateConfig, GenerateOptions
 from selfplay.iterate.child import Generate, StageChild, _default_generate, _hold, isolated
 from selfplay.iterate.config import IterateConfig
-from selfplay.manifest import Manifest, RoundRecord, StageRecord
-from selfplay.metrics import HeldOut
+from selfplay.iterate.heldout import heldout_due, heldout_recorded, heldout_stage, warm_start_stage
+from selfplay.iterate.resume import Row, Run
+from selfplay.iterate.test_split import test_stage
+from selfplay.iterate.track import round_metrics
+from selfplay.manifest import (
+    ConvertInfo,
+    GenerateInfo,
+    HeldoutInfo,
+    Manifest,
+    RoundRecord,
+    StageRecord,
+    TrainInfo,
+)
 from selfplay.train.config import TrainConfig, TrainerOptions
 
 log = logging.getLogger(__name__)
-
-
-STAGES = ("generate", "convert", "train")  # a round's stages, by name (see ``stages``)
 
 
 def _reload_attached(engine_cfg: ServerEngineConfig, model: str) -> None:
@@ -108,10 +117,10 @@ def _beside(cfg: IterateConfig, model: str, out: Path, baselines: bool, gen_cfg,
 
 def generate_beside_heldout(
     cfg: IterateConfig, k: int, model: str, out: Path, baselines: bool, child: StageChild
-) -> tuple[tuple[HeldOut, dict[str, HeldOut]], StageRecord]:
+) -> tuple[StageRecord, StageRecord]:
     """The held-out evaluation of ``model`` (into ``out``) and round ``k``'s generate with it,
-    played together in ``child`` (closed after, as ``generate_stage`` does): the held-out result
-    with the baselines when asked, and generate's record, whose seconds span both."""
+    played together in ``child`` (closed after, as ``generate_stage`` does): the held-out stage's
+    record (with the baselines when asked) and generate's, whose seconds both span the two."""
     started = time.time()
     gen_cfg, engine_cfg = _generate_configs(cfg, k, model)
     log.info(
@@ -122,9 +131,14 @@ def generate_beside_heldout(
         cfg.games_per_iter,
     )
     with child:
-        held, rss = child.run(_beside, cfg, model, out, baselines, gen_cfg, engine_cfg)
-    info = {"peak_rss_mb": rss, "with_heldout": True}
-    return held, StageRecord.since(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
+        (result, base), rss = child.run(_beside, cfg, model, out, baselines, gen_cfg, engine_cfg)
+    heldout_recorded(cfg, k, model, result)
+    held = HeldoutInfo(result=result, baselines=base, peak_rss_mb=rss)
+    games = GenerateInfo(peak_rss_mb=rss, with_heldout=True)
+    return (
+        StageRecord.since(started, info=held),
+        StageRecord.since(started, artifacts={"games": str(gen_cfg.games_path)}, info=games),
+    )
 
 
 def generate_stage(
@@ -149,10 +163,11 @@ def generate_stage(
     ):
         _reload_attached(engine_cfg, model)
     log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
-    info = {}
+    info = GenerateInfo()
     with child or StageChild() as run_in:
         if generate is _default_generate:
-            _, info["peak_rss_mb"] = run_in.run(generate, gen_cfg, engine_cfg)
+            _, rss = run_in.run(generate, gen_cfg, engine_cfg)
+            info = GenerateInfo(peak_rss_mb=rss)
         else:  # a caller's own function (tests) runs here
             generate(gen_cfg, engine_cfg)
     return StageRecord.since(started, artifacts={"games": str(gen_cfg.games_path)}, info=info)
@@ -168,7 +183,7 @@ def convert_stage(
     started = time.time()
     _hold(cfg.run_dir, "convert")
     rdir = cfg.round_dir(k)
-    games, guided = rdir / "games.jsonl", {}
+    games, guided = rdir / "games.jsonl", ConvertInfo()
     if guide_active(cfg, k):
         games, guided = write_guided_games(cfg, k, model)
     conv_cfg = ConvertConfig(
@@ -187,13 +202,13 @@ def convert_stage(
         # --keep-degenerate with only equal-reward groups: rows written, nothing to learn
         skip_reason="every kept group has equal rewards (advantage 0)" if flat else None,
         artifacts={"train": summary.train_path, "val": summary.val_path},
-        info={
-            "rows_train": summary.rows_train,
-            "rows_written": summary.rows_written,
-            "groups_written": summary.groups_written,
-            "groups_degenerate_dropped": summary.groups_degenerate_dropped,
-            **guided,
-        },
+        info=ConvertInfo(
+            rows_train=summary.rows_train,
+            rows_written=summary.rows_written,
+            groups_written=summary.groups_written,
+            groups_degenerate_dropped=summary.groups_degenerate_dropped,
+            **guided.model_dump(),  # the guide's games, when the round has them
+        ),
     )
 
 
@@ -205,12 +220,12 @@ def train_stage(
     started = time.time()
     _hold(cfg.run_dir, "train")
     if done["convert"].skip_reason:
-        return StageRecord.since(started, skip_reason="no training signal", info={})
+        return StageRecord.since(started, skip_reason="no training signal", info=TrainInfo())
     out = cfg.checkpoint_dir(k)  # the loop cleared the way (Run.claim: its own leftovers only)
     options = cfg.train.model_dump(include=set(TrainerOptions.model_fields))
     options["save_verl_checkpoint"] = cfg.train.keep_checkpoints != "none"
     if options["mini_batch_size"] is None and options["batch_size"] is None:
-        rows = done["convert"].info.get("rows_train", 0)
+        rows = done["convert"].info.rows_train
         micro = cfg.train.micro_batch_size
         # whole micro-batches per update (a mini-batch of 5 would force micro-batches of 1)
         per_update = rows // cfg.train.updates_per_round
@@ -232,28 +247,100 @@ def train_stage(
     return StageRecord.since(
         started,
         artifacts={"model": str(result.model_dir), "metrics": str(result.metrics_path)},
-        info={**_train_info(result.steps), "updates": result.updates, "peak_rss_mb": rss},
+        info=TrainInfo(**_train_info(result.steps), updates=result.updates, peak_rss_mb=rss),
     )
 
 
-Stage = Callable[[IterateConfig, int, str, dict[str, StageRecord]], StageRecord]
+class Finished(NamedTuple):
+    """A stage's record for the row it finished, and the folder it claimed (see ``Run.claim``)."""
+
+    row: Row
+    record: StageRecord
+    made: Path | None = None
 
 
-def stages(
-    cfg: IterateConfig, generate: Generate = _default_generate, child: StageChild | None = None
-) -> tuple[tuple[str, Stage], ...]:
-    """A round's stages in order: each takes (config, round, model, the round's finished
-    stages) and returns its record; the loop records it (and nothing else writes the manifest).
-    Generate runs in ``child`` when given (see ``generate_stage``). Expert iteration's convert
-    keeps the best games (``expert.select_stage``)."""
-    from selfplay.iterate.expert import select_stage
+class Stages:
+    """The stage of each row of the run's table, run for the run as it stands: the model a row
+    plays with is read from the manifest (the warm start's, or the previous round's train), so
+    any row can be the first of a resume. ``play`` returns the records; the loop records them.
 
-    expert = cfg.algorithm == "expert-iteration"
-    return (
-        ("generate", functools.partial(generate_stage, generate=generate, child=child)),
-        ("convert", select_stage if expert else convert_stage),
-        ("train", train_stage),
-    )
+    Heavy stages run in ``child`` where they share it: a held-out evaluation keeps it for the next
+    round's generate with the same model, which closes it before the round trains."""
+
+    def __init__(self, cfg: IterateConfig, run: Run, generate: Generate, child: StageChild):
+        from selfplay.iterate.expert import select_stage
+
+        self.cfg, self.run, self.generate, self.child = cfg, run, generate, child
+        self.convert = select_stage if cfg.algorithm == "expert-iteration" else convert_stage
+
+    def model(self, k: int | None) -> str:
+        """The model after ``k`` rounds (None: the initial model, before the warm start)."""
+        m = self.run.manifest
+        if k is None or (k == 0 and self.cfg.warm_start is None):
+            return self.cfg.model
+        if k == 0:
+            assert m.warm_start is not None, "the table runs the warm start before round 0"
+            return m.warm_start.artifacts["model"]
+        return next_model(m.rounds[k - 1])
+
+    def enter(self, row: Row) -> None:
+        """Before ``row``: a round's record, created or checked against the model it starts from
+        (a resumed round must start from the model the round before it gave)."""
+        if row.stage == "generate":
+            self.run.start_round(row.at, self.model(row.at))
+
+    def play(self, row: Row) -> list[Finished]:
+        """Run ``row``'s stage; its record (two with the held-out evaluation beside generate, none
+        when it has nothing to do)."""
+        cfg, run, k = self.cfg, self.run, row.at
+        if row.stage == "heldout":
+            return self._heldout(row)
+        if row.stage == "warm_start":
+            made = cfg.warm_start_dir if cfg.warm_start.startswith("scripted:") else None
+            if made is not None:
+                run.claim(made, "warm start")
+            return [Finished(row, warm_start_stage(cfg), made)]
+        if row.stage == "test":
+            rec = test_stage(cfg, run.manifest, self.model(0), self.model(cfg.iterations))
+            return [] if rec is None else [Finished(row, rec)]
+        done, model = run.manifest.rounds[k].stages, run.manifest.rounds[k].model
+        if row.stage == "generate":
+            return [Finished(row, generate_stage(cfg, k, model, done, self.generate, self.child))]
+        if row.stage == "convert":
+            return [Finished(row, self.convert(cfg, k, model, done))]
+        if row.stage == "train":
+            run.claim(made := cfg.checkpoint_dir(k), f"round {k} train")
+            return [Finished(row, train_stage(cfg, k, model, done), made)]
+        raise AssertionError(f"no stage for {row}")
+
+    def _heldout(self, row: Row) -> list[Finished]:
+        """The held-out stage at ``row``: beside its round's generate (one child, one engine)
+        when the table placed it there and the games are still to play, else alone."""
+        cfg, run, k = self.cfg, self.run, row.at
+        model, baselines = self.model(k), not run.manifest.baselines
+        out = heldout_due(cfg, k, model, run.manifest)
+        beside = Row("generate", k)
+        if row.beside and out is not None and not run.done(beside):
+            run.start_round(k, model)  # checks a resumed round's model before the work
+            held, games = generate_beside_heldout(cfg, k, model, out, baselines, self.child)
+            return [Finished(row, held), Finished(beside, games)]
+        # the loop's child is kept for the next round's generate with this model; the initial
+        # model's (a warm start trains next) and the last one's play in a child of their own
+        child = self.child if k is not None and k < cfg.iterations else None
+        rec = heldout_stage(cfg, k, model, run.manifest, child)
+        return [] if rec is None else [Finished(row, rec)]
+
+    def leave(self, row: Row) -> None:
+        """After ``row``, done now or before: generate's child closed (a resumed round may have
+        skipped it); after train, the checkpoints pruned and the round's metrics recorded."""
+        if row.stage == "generate":
+            self.child.close()
+        elif row.stage == "train":
+            prune_checkpoints(self.cfg, self.run.manifest)
+            rnd = self.run.manifest.rounds[row.at]
+            if rnd.metrics is None:
+                games = self.cfg.round_dir(row.at) / "games.jsonl"
+                self.run.record_round_metrics(row.at, round_metrics(rnd, games))
 
 
 def next_model(rnd: RoundRecord) -> str:

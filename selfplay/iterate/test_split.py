@@ -11,13 +11,14 @@ model after the last round) and one per baseline (``proposer`` included); every 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from selfplay.game import get_game
 from selfplay.iterate.child import isolated
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.iterate.heldout import eval_config, held_out
-from selfplay.manifest import Manifest
+from selfplay.manifest import Manifest, StageRecord, TestInfo
 from selfplay.metrics import HeldOut
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,15 @@ def _test_eval(cfg: IterateConfig, models: dict[str, str], out: Path) -> dict[st
     return rows
 
 
-def test_stage(cfg: IterateConfig, manifest: Manifest, start: str, final: str):
-    """The test split's rows, or None when the run plays none (``test_scenarios`` 0) or played
-    it already (a finished run keeps its first test result: the split is played once)."""
+def test_stage(
+    cfg: IterateConfig, manifest: Manifest, start: str, final: str
+) -> StageRecord | None:
+    """The test split's stage: its rows (``TestInfo``), or None when the run plays none
+    (``test_scenarios`` 0) or played it already (a finished run keeps its first test result: the
+    split is played once)."""
     if cfg.test_scenarios == 0 or manifest.test:
         return None
+    started = time.time()
     out = cfg.run_dir / "test"
     models = test_models(cfg, start, final)
     log.info(
@@ -66,5 +71,5 @@ def test_stage(cfg: IterateConfig, manifest: Manifest, start: str, final: str):
         len(get_game(cfg.game).heldout_baselines),
         cfg.test_scenarios,
     )
-    rows, _ = isolated(_test_eval, cfg, models, out)
-    return rows
+    rows, rss = isolated(_test_eval, cfg, models, out)
+    return StageRecord.since(started, info=TestInfo(rows=rows, peak_rss_mb=rss))

@@ -9,7 +9,7 @@ import orjson
 
 from selfplay.iterate.child import _rss_mb
 from selfplay.iterate.resume import Run
-from selfplay.manifest import RoundRecord
+from selfplay.manifest import RoundRecord, RoundStats
 from selfplay.metrics import summarize
 from selfplay.records import iter_game_records
 
@@ -51,35 +51,49 @@ def track_round(run: Run, tracker: Any, k: int) -> None:
             run.manifest.tracker_step += 1
             tracker.log(flat("train", {**step, "round": k}), step=run.manifest.tracker_step)
     m = rnd.metrics
-    values = {key: m.get(key) for key in ROUND_KEYS}
+    values = {key: getattr(m, key) for key in ROUND_KEYS}
     for key, j in (("heldout_before", k), ("heldout", k + 1)):  # the round's start and result
         if (h := run.manifest.heldout.get(j)) is not None:
             values[key] = h.model_dump(include=set(HELDOUT_KEYS))
-    values["trained"] = 0.0 if m.get("skip_reason") else 1.0
+    values["trained"] = 0.0 if m.skip_reason else 1.0
     run.manifest.tracker_step += 1
     tracker.log(flat("round", {**values, "round": k}), step=run.manifest.tracker_step)
     rnd.tracked = True
     run.save()
 
 
-def round_metrics(rnd: RoundRecord, games: Path) -> dict[str, Any]:
-    """The metrics.jsonl line of a finished round: game statistics, training, stage times."""
+def round_metrics(rnd: RoundRecord, games: Path) -> RoundStats:
+    """The metrics.jsonl line of a finished round (without the held-out results, which
+    ``Run.write_metrics`` adds): game statistics, training, stage times."""
     summary = summarize(iter_game_records(games))
-    train = rnd.stages["train"]
-    return {
+    train, convert = rnd.stages["train"], rnd.stages["convert"]
+    return RoundStats(
         **summary.model_dump(exclude={"partner"}),
-        "model": rnd.model,
-        "train": train.info or None,
+        model=rnd.model,
+        train=train.info if train.info.model_dump() else None,
         # rows, groups; expert iteration: games kept; --guide: guide games and their reward
-        "convert": rnd.stages["convert"].info or None,
-        "skip_reason": train.skip_reason,
-        "seconds": {name: rec.seconds for name, rec in rnd.stages.items()},
+        convert=convert.info if convert.info.model_dump() else None,
+        skip_reason=train.skip_reason,
+        seconds={name: rec.seconds for name, rec in rnd.stages.items()},
         # resident memory (MiB): the loop's own now, and each stage's peak (its own process)
-        "rss_mb": {
+        rss_mb={
             "loop": _rss_mb(),
-            **{n: r.info["peak_rss_mb"] for n, r in rnd.stages.items() if "peak_rss_mb" in r.info},
+            **{
+                n: r.info.peak_rss_mb
+                for n, r in rnd.stages.items()
+                if "peak_rss_mb" in r.info.model_fields_set
+            },
         },
-    }
+    )
+
+
+def track_finished(run: Run, tracker: Any) -> None:
+    """Send every round not sent yet whose result is in: its metrics, and the held-out result of
+    the model it produced when the run evaluates its models (its tracker line carries both)."""
+    for k, rnd in sorted(run.manifest.rounds.items()):
+        if rnd.metrics is None or (run.config.eval_scenarios and k + 1 not in run.manifest.heldout):
+            break  # rounds are sent in order: a later one waits for this one
+        track_round(run, tracker, k)
 
 
 def summary_line(run, cfg) -> str:
