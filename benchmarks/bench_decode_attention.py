@@ -107,10 +107,11 @@ def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]
                 use_cache=True,
             )
 
+        default = hf_cpu.GROUPED_DECODE
         try:
             return alternate({"SDPA": lambda: step(False), "grouped": lambda: step(True)}, repeats)
         finally:
-            hf_cpu.GROUPED_DECODE = True
+            hf_cpu.GROUPED_DECODE = default
 
 
 def main() -> None:

@@ -36,8 +36,8 @@ matmuls far below the FLOP rate of 512 rows while reading the weights slower tha
 allows, so neither limit above binds there; this row says how much of the stage's time its
 matmuls at their own shapes take, and so how much is everything else (attention over the KV
 cache, norms, sampling, the engine's bookkeeping). A fourth, "matmuls + attention alone",
-adds each decoding step's attention timed on its own (the engine's decoding attention,
-``hf_cpu.grouped_decode_attention``, at the step's rows and
+adds each decoding step's attention timed on its own (the engine's decoding attention: SDPA,
+or ``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, at the step's rows and
 the mean KV width of steps of that many rows, every layer its own KV): what the stage's kernels
 at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
 and the model's glue (norms, rotary, sampling, Python) rather than kernels.

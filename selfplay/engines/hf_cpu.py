@@ -12,9 +12,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-# A decoding step's attention (one query token a row) runs as ``grouped_decode_attention``;
-# False: torch's SDPA for every pass (read at call time, so a benchmark can alternate the two).
-GROUPED_DECODE = True
+# True: a decoding step's attention (one query token a row) runs as ``grouped_decode_attention``;
+# False: torch's SDPA for every pass. Read at call time, so a benchmark can alternate the two
+# (benchmarks/bench_decode_attention.py, bench_roofline.py --decode-attention). Off: on the
+# 2-core AVX2 EPYC it was not faster than SDPA in an A/B run while other jobs shared the cores;
+# turn it on where a quiet A/B finds it faster.
+GROUPED_DECODE = False
 
 
 def grouped_decode_attention(query, key, value, mask=None, scale=None):
