@@ -36,13 +36,14 @@ matmuls far below the FLOP rate of 512 rows while reading the weights slower tha
 allows, so neither limit above binds there; this row says how much of the stage's time its
 matmuls at their own shapes take, and so how much is everything else (attention over the KV
 cache, norms, sampling, the engine's bookkeeping). A fourth, "matmuls + attention alone",
-adds each decoding step's attention timed on its own (the engine's SDPA at the step's rows and
+adds each decoding step's attention timed on its own (the engine's decoding attention: SDPA,
+or ``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, at the step's rows and
 the mean KV width of steps of that many rows, every layer its own KV): what the stage's kernels
 at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
 and the model's glue (norms, rotary, sampling, Python) rather than kernels.
 
 Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
-     [--tokens 512] [--repeats 10] [--stages]
+     [--tokens 512] [--repeats 10] [--stages] [--decode-attention grouped|sdpa]
 """
 
 from __future__ import annotations
@@ -152,10 +153,20 @@ def matmuls_alone_seconds(engine, gflops: float, dtype, repeats: int = 5) -> flo
 
 
 def attention_seconds(engine, dtype, repeats: int = 3) -> float:
-    """Every decoding step's attention timed alone: for each batch size, the engine's SDPA
-    (GQA, padding mask) at its steps' mean KV width over every layer, each layer its own KV
-    (the cache is read from memory, as in a step), times its steps."""
+    """Every decoding step's attention timed alone: for each batch size, the engine's decoding
+    attention (``hf_cpu.grouped_decode_attention``, or SDPA with GQA where
+    ``hf_cpu.GROUPED_DECODE`` is off; a padding mask) at its steps' mean KV width over every
+    layer, each layer its own KV (the cache is read from memory, as in a step), times its
+    steps."""
+    from selfplay.engines import hf_cpu
     from selfplay.engines.hf import attention_shape
+
+    def attend(q, k, v, mask):
+        if hf_cpu.GROUPED_DECODE:
+            return hf_cpu.grouped_decode_attention(q, k, v, mask)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True
+        )
 
     layers_n, heads, kv_heads, dim = attention_shape(engine.model)
     total = 0.0
@@ -167,9 +178,7 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
 
         def layers(q=q, kvs=kvs, mask=mask):
             for k, v in kvs:
-                torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, enable_gqa=True
-                )
+                attend(q, k, v, mask)
 
         total += steps * median_seconds(layers, 1, repeats)
     return total
@@ -261,7 +270,7 @@ def run_stages(dtype: str, before: float, measure, gbs: float) -> Table:
         ("generate (hf engine)", gen, fwd, note),
         ("generate, decode-aware limit", gen, gen_limit, f"read bandwidth {gbs:.1f} GB/s"),
         ("generate, its matmuls alone", gen, gen_alone, "each step's linear layers at its rows"),
-        ("generate, matmuls + attention alone", gen, gen_kernels, "and each step's SDPA"),
+        ("generate, matmuls + attention alone", gen, gen_kernels, "and each step's attention"),
         ("SFT step (verl)", sft, fwd_bwd, "bench_sft.py --rows 8"),
         # bench_train times the update only (forward + backward): old log-probs are not timed
         ("train update (verl)", train, fwd_bwd, "bench_train.py --rows 8, fwd+bwd"),
@@ -283,7 +292,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stages", action="store_true", help="also time the real stages (minutes)")
+    ap.add_argument(
+        "--decode-attention",
+        choices=["grouped", "sdpa"],
+        default=None,
+        help="the engine's decoding attention (hf_cpu.GROUPED_DECODE; default: the engine's "
+        "default), to A/B the stages",
+    )
     args = ap.parse_args()
+    from selfplay.engines import hf_cpu
+
+    if args.decode_attention:
+        hf_cpu.GROUPED_DECODE = args.decode_attention == "grouped"
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
@@ -297,6 +317,8 @@ def main() -> None:
     console.print(f"torch threads: {threads} of {os.cpu_count()} cores, load average {load}")
     console.print(f'resolve_dtype("auto", "cpu") -> {resolve_dtype("auto", "cpu")}')
     console.print(f"forward FLOPs per token: {FWD_FLOPS_PER_TOKEN / 1e6:.1f} M")
+    attention = "grouped" if hf_cpu.GROUPED_DECODE else "sdpa"
+    console.print(f"the engine's decoding attention: {attention}")
 
     def measure(dtype: str) -> dict[str, float]:
         return {

@@ -1,7 +1,8 @@
-"""CPU layouts for the HF engine: SDPA attention that never copies KV heads, and linear layers
-computed weight-major for a decoding step's few rows.
+"""CPU layouts for the HF engine: attention that never copies KV heads (a decoding step's
+attention as one product per KV head over its group of query heads), and linear layers computed
+weight-major for a decoding step's few rows.
 
-Both change how a product is laid out, not what it is: results agree with transformers' own
+They change how a product is laid out, not what it is: results agree with transformers' own
 layers to float rounding. The engine installs them on CPU only.
 """
 
@@ -11,6 +12,40 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+# True: a decoding step's attention (one query token a row) runs as ``grouped_decode_attention``;
+# False: torch's SDPA for every pass. Read at call time, so a benchmark can alternate the two
+# (benchmarks/bench_decode_attention.py, bench_roofline.py --decode-attention). Off: on the
+# 2-core AVX2 EPYC it was not faster than SDPA in an A/B run while other jobs shared the cores;
+# turn it on where a quiet A/B finds it faster.
+GROUPED_DECODE = False
+
+
+def grouped_decode_attention(query, key, value, mask=None, scale=None):
+    """Attention of one new token a row over its KV cache, every KV head read once for the query
+    heads that share it: ``[B, H, 1, D]`` queries over ``[B, Hkv, L, D]`` keys and values.
+
+    Query head ``h`` uses KV head ``h // (H / Hkv)`` (transformers' ``repeat_kv`` order), so the
+    queries reshape to ``[B, Hkv, G, D]`` without a copy and the scores are one product per
+    (row, KV head), ``[G, D] @ [D, L]``, the probabilities another over the values: the KV cache
+    streams through once per step, never expanded to ``H`` heads. ``mask`` is SDPA's: None,
+    boolean (True: attend) or additive, shaped ``[B, 1 or H, 1, L]``. The softmax is in fp32.
+    Every row must see at least one position (a decoding row sees its own token).
+    """
+    b, h, _, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = h // kv_heads
+    scale = d**-0.5 if scale is None else scale
+    q = (query * scale).view(b, kv_heads, group, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float()  # [B, Hkv, G, L]
+    if mask is not None:
+        mask = mask.reshape(b, kv_heads, group, length) if mask.shape[1] > 1 else mask
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores += mask
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).view(b, h, 1, d)
+
 
 def grouped_sdpa() -> str:
     """Register and name SDPA attention that never copies KV heads for query groups.
@@ -19,10 +54,15 @@ def grouped_sdpa() -> str:
     mask (torch's CUDA kernels cannot combine GQA with a mask), which on CPU copies the whole KV
     cache at every decoding step of a padded batch. torch's CPU kernels take ``enable_gqa`` with a
     mask: a decoding step of 32 rows over 500 tokens took 2.0 ms instead of 5-6 ms on the tiny
-    test model and 262 ms instead of 460 ms with SmolLM2-135M's shapes (one thread).
+    test model and 262 ms instead of 460 ms with SmolLM2-135M's shapes (one thread). A decoding
+    step (one query a row, no dropout) goes to ``grouped_decode_attention`` where
+    ``GROUPED_DECODE`` says so.
     """
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        if GROUPED_DECODE and query.shape[2] == 1 and not dropout:
+            out = grouped_decode_attention(query, key, value, attention_mask, scaling)
+            return out.transpose(1, 2).contiguous(), None
         causal = kw.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -1,0 +1,155 @@
+"""A/B of the CPU engine's decoding attention: torch's SDPA (``enable_gqa``) against
+``hf_cpu.grouped_decode_attention`` (one product per KV head over its group of query heads),
+alternating call by call in one process so that a shared machine's drift hits both alike.
+
+1. attention alone: every layer's attention of a decoding step at ``--rows`` rows over ``--kv``
+   positions, at the model's shapes (layers, query heads, KV heads, head dim), each layer its
+   own KV as a view into preallocated room (as ``PreallocatedLayer`` hands it over), with the
+   left-padding mask of a batch; also a plain sum over the same K and V, the bandwidth bound;
+2. a whole decoding step of the model (the engine's CPU layouts) over a cache of random KV of
+   that width (no prefill: its values do not change a step's work), the flag
+   ``hf_cpu.GROUPED_DECODE`` switched step by step.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py [--model embedded] [--rows 48]
+        [--kv 470] [--repeats 10] [--threads N] [--dtype fp32|bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from selfplay.engines import HFEngineConfig, hf_cpu
+from selfplay.engines.hf import HFEngine, PreallocatedLayer, attention_shape
+from selfplay.models import resolve_model
+
+
+def alternate(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``, called in turn ``repeats`` times after one warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def attention_alone(model, rows: int, kv: int, dtype, repeats: int) -> dict[str, float]:
+    layers, heads, kv_heads, dim = attention_shape(model)
+    g = torch.Generator().manual_seed(0)
+    room = kv + 64
+
+    def view():
+        return torch.randn(rows, kv_heads, room, dim, generator=g).to(dtype)[..., :kv, :]
+
+    caches = [(view(), view()) for _ in range(layers)]
+    query = torch.randn(rows, heads, 1, dim, generator=g).to(dtype)
+    mask = torch.ones(rows, 1, 1, kv, dtype=torch.bool)
+    for b in range(rows):
+        mask[b, ..., : (7 * b) % (kv // 4)] = False  # left padding of a batch
+
+    def sdpa():
+        for k, v in caches:
+            torch.nn.functional.scaled_dot_product_attention(
+                query, k, v, attn_mask=mask, enable_gqa=True
+            )
+
+    def grouped():
+        for k, v in caches:
+            hf_cpu.grouped_decode_attention(query, k, v, mask)
+
+    def read():
+        for k, v in caches:
+            k.sum(), v.sum()
+
+    with torch.inference_mode():
+        return alternate({"SDPA": sdpa, "grouped": grouped, "sum of K and V": read}, repeats)
+
+
+def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]:
+    from transformers import Cache
+
+    model = engine.model
+    cache = Cache(
+        layers=[PreallocatedLayer(kv + 2 * repeats + 4) for _ in range(engine._cache_layers)]
+    )
+    attn = torch.ones(rows, kv, dtype=torch.long)
+    for b in range(rows):
+        attn[b, : (7 * b) % (kv // 4)] = 0
+    ids = torch.randint(3, model.config.vocab_size, (rows, 1), generator=torch.Generator())
+    _, _, kv_heads, dim = attention_shape(model)
+    state = {"attn": attn, "last": attn.sum(-1) - 1}
+    with torch.inference_mode():
+        for layer in cache.layers:  # random KV in place of a prefill: the same work a step
+            k, v = torch.randn(2, rows, kv_heads, kv, dim).to(model.dtype)
+            layer.update(k, v)
+
+        def step(grouped: bool):
+            hf_cpu.GROUPED_DECODE = grouped
+            state["attn"] = torch.cat([state["attn"], attn.new_ones((rows, 1))], dim=1)
+            state["last"] = state["last"] + 1
+            model(
+                input_ids=ids,
+                attention_mask=state["attn"],
+                position_ids=state["last"][:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+
+        default = hf_cpu.GROUPED_DECODE
+        try:
+            return alternate({"SDPA": lambda: step(False), "grouped": lambda: step(True)}, repeats)
+        finally:
+            hf_cpu.GROUPED_DECODE = default
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF model dir (default: the embedded SmolLM2)")
+    ap.add_argument("--rows", type=int, default=48, help="rows of a decoding step")
+    ap.add_argument("--kv", type=int, default=470, help="KV positions of a row")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    args = ap.parse_args()
+    engine = HFEngine(
+        HFEngineConfig(
+            model=resolve_model(args.model),
+            device="cpu",
+            dtype=args.dtype,
+            cpu_threads=args.threads,
+        )
+    )
+    layers, heads, kv_heads, dim = attention_shape(engine.model)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    alone = attention_alone(engine.model, args.rows, args.kv, dtype, args.repeats)
+    steps = decoding_steps(engine, args.rows, args.kv, args.repeats)
+    kv_bytes = 2 * layers * args.rows * kv_heads * args.kv * dim * dtype.itemsize
+    table = Table(
+        title=f"decoding attention, {Path(engine.name).name}: {layers} layers, {heads} query / "
+        f"{kv_heads} KV heads of {dim}, {args.rows} rows x {args.kv} KV positions, "
+        f"{args.dtype}, {torch.get_num_threads()} threads (median of {args.repeats}, alternating)"
+    )
+    for col in ("what", "ms", "KV read GB/s", "SDPA / this"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for name, s in alone.items():
+        gbs = f"{kv_bytes / s / 1e9:.1f}"
+        table.add_row(f"attention alone: {name}", f"{1e3 * s:.1f}", gbs, f"{alone['SDPA'] / s:.2f}")
+    for name, s in steps.items():
+        table.add_row(f"decoding step: {name}", f"{1e3 * s:.1f}", "-", f"{steps['SDPA'] / s:.2f}")
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()

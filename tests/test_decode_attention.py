@@ -1,0 +1,122 @@
+"""The CPU engine's decoding attention (``hf_cpu.grouped_decode_attention``: one product per KV
+head over its group of query heads) is SDPA's attention to float rounding, with the masks and
+the cache views the engine passes it, alone and inside a model's decoding step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from selfplay.engines import hf_cpu
+from selfplay.engines.hf_cpu import grouped_decode_attention
+
+
+def _cache_view(rows: int, kv_heads: int, length: int, dim: int, g) -> torch.Tensor:
+    """Keys or values as the engine's PreallocatedLayer hands them over: a view of the first
+    ``length`` positions of room for more (not contiguous over rows)."""
+    return torch.randn(rows, kv_heads, length + 7, dim, generator=g)[..., :length, :]
+
+
+def _padding_mask(rows: int, length: int) -> torch.Tensor:
+    """Left padding of a different width a row, and a hole (a joined batch's padding) in one."""
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    for b in range(rows):
+        mask[b, ..., : (3 * b) % (length // 2)] = False
+    mask[-1, ..., length // 2 : length // 2 + 3] = False
+    return mask
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (14, 2, 64), (6, 6, 32), (8, 1, 16)]
+)
+@pytest.mark.parametrize("masking", ["none", "bool", "additive", "per-head"])
+def test_grouped_decode_attention_is_sdpa_to_1e5(heads, kv_heads, dim, masking):
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    rows, length = 6, 41
+    query = torch.randn(rows, heads, 1, dim, generator=g)
+    key = _cache_view(rows, kv_heads, length, dim, g)
+    value = _cache_view(rows, kv_heads, length, dim, g)
+    mask = {
+        "none": None,
+        "bool": _padding_mask(rows, length),
+        "additive": torch.zeros(rows, 1, 1, length).masked_fill(
+            ~_padding_mask(rows, length), float("-inf")
+        ),
+        "per-head": _padding_mask(rows, length).expand(rows, heads, 1, length).clone(),
+    }[masking]
+    if masking == "per-head":
+        mask[:, 0, :, 5] = False  # one query head masked apart from its group
+    for scale in (None, 0.3):
+        want = sdpa(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        got = grouped_decode_attention(query, key, value, mask, scale)
+        assert got.shape == want.shape == (rows, heads, 1, dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_decode_attention_in_bf16_is_sdpa_to_bf16_rounding():
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(4, 9, 1, 64, generator=g).bfloat16()
+    key, value = (_cache_view(4, 3, 50, 64, g).bfloat16() for _ in range(2))
+    mask = _padding_mask(4, 50)
+    want = sdpa(query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True)
+    got = grouped_decode_attention(query, key, value, mask)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _decode_logits(model, grouped: bool) -> list[torch.Tensor]:
+    """A left-padded batch prefilled into the engine's preallocated cache, then decoding steps:
+    each step's logits, with the decoding attention grouped or torch's SDPA."""
+    from transformers import Cache
+
+    from selfplay.engines.hf_kv import PreallocatedLayer, plain_cache_layers
+
+    g = torch.Generator().manual_seed(0)
+    rows, width, steps = 5, 23, 4
+    ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=g)
+    attn = torch.ones(rows, width, dtype=torch.long)
+    for b in range(rows):
+        attn[b, : 2 * b] = 0  # left padding
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = Cache(
+        layers=[PreallocatedLayer(width + steps) for _ in range(plain_cache_layers(model))]
+    )
+    old = hf_cpu.GROUPED_DECODE
+    hf_cpu.GROUPED_DECODE = grouped
+    try:
+        with torch.inference_mode():
+            out = model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits, last = [out.logits[:, -1]], pos[:, -1]
+            for _ in range(steps):
+                tok = logits[-1].argmax(-1)
+                attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=1)
+                last = last + 1
+                out = model(
+                    input_ids=tok[:, None],
+                    attention_mask=attn,
+                    position_ids=last[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits.append(out.logits[:, -1])
+    finally:
+        hf_cpu.GROUPED_DECODE = old
+    return logits
+
+
+def test_a_models_decoding_steps_are_the_same_with_grouped_attention(tiny_model):
+    from selfplay.engines import HFEngineConfig
+    from selfplay.engines.hf import HFEngine
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32"))
+    assert engine.model.config._attn_implementation == "selfplay_grouped_sdpa"
+    grouped, plain = (_decode_logits(engine.model, flag) for flag in (True, False))
+    for a, b in zip(grouped, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
