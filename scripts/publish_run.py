@@ -97,13 +97,20 @@ def recipe_note(recipe: Path, manifest: Path) -> str:
     ours = parse_iterate(["--config", str(recipe)], resolve=False).identity()
     theirs = parse_iterate(["--config", str(manifest)], resolve=False).identity()
     lines = [f"recipe: {recipe.as_posix()}"]
+    if manifest.parent.name.startswith("seed-"):
+        # One seed of a multi-seed run: it lives in data/NAME/seed-K (checkpoints likewise) under
+        # its own name and seed; the recipe names the whole run.
+        for key in ("name", "data_root", "checkpoint_root", "seed", "seeds"):
+            ours.pop(key, None)
+            theirs.pop(key, None)
     changed = _changed(theirs, ours)
     if changed:
         changes = "; ".join(changed)
         lines.append(f"today's recipe differs from this run in: {changes} (run -> recipe)")
     else:
         lines.append("it gives this run's config (the options a resume compares)")
-    lines.append(f"this run again: selfplay iterate --config {manifest.as_posix()}")
+    again = recipe if manifest.parent.name.startswith("seed-") else manifest
+    lines.append(f"this run again: selfplay iterate --config {again.as_posix()}")
     return "\n".join(lines) + "\n"
 
 
@@ -123,13 +130,20 @@ def _changed(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def run_manifest(dest: Path) -> Path:
+    """The manifest a RECIPE note compares: the run's, or for a multi-seed run its first seed's
+    (the seeds' configs differ only in ``seed``)."""
+    seeds = sorted(dest.glob("seed-*/manifest.json"))
+    return dest / "manifest.json" if (dest / "manifest.json").is_file() or not seeds else seeds[0]
+
+
 def write_notes(runs: Path = Path("docs/runs"), recipes: Path = Path("recipes")) -> list[Path]:
     written = []
     for recipe in sorted(recipes.glob("*.toml")):
-        manifest = runs / recipe.stem / "manifest.json"
+        manifest = run_manifest(runs / recipe.stem)
         if manifest.is_file():
-            (manifest.parent / "RECIPE").write_text(recipe_note(recipe, manifest))
-            written.append(manifest.parent / "RECIPE")
+            (runs / recipe.stem / "RECIPE").write_text(recipe_note(recipe, manifest))
+            written.append(runs / recipe.stem / "RECIPE")
     return written
 
 
@@ -144,7 +158,7 @@ if __name__ == "__main__":
         written = publish(Path(sys.argv[1]), Path(sys.argv[2]))
         if len(sys.argv) == 4:
             note = Path(sys.argv[2]) / "RECIPE"
-            note.write_text(recipe_note(Path(sys.argv[3]), Path(sys.argv[2]) / "manifest.json"))
+            note.write_text(recipe_note(Path(sys.argv[3]), run_manifest(Path(sys.argv[2]))))
             written.append(note)
     else:
         raise SystemExit(__doc__)

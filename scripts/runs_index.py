@@ -32,11 +32,13 @@ Written by `python scripts/runs_index.py` from the run folders beside this page 
 what the script writes and that it lists every folder. Do not edit it by hand.
 
 Read it with the [learning audit's corrections](../experiments/index.md) in mind: every run
-below played the **same dev held-out scenarios (eval seed 7)** with **one training seed**, and
-about ten learn and twenty ask variants were tried on that one set, so a single interval above
-zero here is not a finding. They predate the test split (`selfplay iterate --test-scenarios`,
-`selfplay eval --split test`) and `--seeds`, which new runs use for their headline
-([recipes and splits](../guide/recipes.md)).
+below but ask-cap2 played the **same dev held-out scenarios (eval seed 7)** with **one training
+seed**, and about ten learn and twenty ask variants were tried on that one set, so a single
+interval above zero there is not a finding. They predate the test split (`selfplay iterate
+--test-scenarios`, `selfplay eval --split test`) and `--seeds`, which ask-cap2 and new runs use
+for their headline ([recipes and splits](../guide/recipes.md)). A multi-seed run's row is
+pooled over its seeds (per scenario the mean over seeds, then a t-interval over scenarios): an
+interval that does not show how much the seeds disagree; its SEEDS.md has each seed's row.
 
 Columns: **final - start** is the final model's held-out reward minus the model it started from
 (the warm-started one), paired by scenario, mean [95% t-interval], over **n** scenarios;
@@ -129,7 +131,34 @@ def split(run: Path, manifest: dict | None) -> str:
     return f"dev (eval seed {seed})" if seed is not None else "dev"
 
 
+def seeds_row(run: Path, asks: dict[str, str]) -> list[str]:
+    """A multi-seed run (``iterate --seeds``: seeds.json, seed-K/): its split, its seeds, the
+    pooled paired difference (per scenario the mean over seeds), the seeds' stage time summed."""
+    summary = json.loads((run / "seeds.json").read_text())
+    manifests = [json.loads(p.read_text()) for p in sorted(run.glob("seed-*/manifest.json"))]
+    pooled = summary["pooled"]["start"]
+    mean, low, high = pooled["mean_ci"]
+    seeds = [str(s["seed"]) for s in summary["seeds"]]
+    first = manifests[0] if manifests else {}
+    recipe = recipe_of(run)
+    return [
+        f"[{run.name}]({run.name}/SEEDS.md)",
+        question(run.name, recipe, asks),
+        f"`recipes/{recipe}.toml`" if recipe else "no recipe",
+        summary["split"],
+        f"{len(seeds)} (seeds {', '.join(seeds)})",
+        f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] (pooled over seeds)",
+        str(pooled["scenarios"]),
+        AUDIT.get(run.name, ""),
+        minutes(sum(stage_seconds(m) for m in manifests)),
+        first.get("cpu") or first.get("versions", {}).get("cpu") or "",
+        (first.get("git_commit") or "—")[:7],
+    ]
+
+
 def row(run: Path, asks: dict[str, str]) -> list[str]:
+    if (run / "seeds.json").is_file():
+        return seeds_row(run, asks)
     manifest_file = run / "manifest.json"
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
     name = run.name

@@ -19,7 +19,16 @@ from selfplay.iterate.config import config_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
-MANIFESTS = sorted((ROOT / "docs" / "runs").glob("*/manifest.json"))
+# A run's manifest, or each seed's of a multi-seed run (docs/runs/NAME/seed-K/manifest.json).
+MANIFESTS = sorted((ROOT / "docs" / "runs").glob("*/manifest.json")) + sorted(
+    (ROOT / "docs" / "runs").glob("*/seed-*/manifest.json")
+)
+
+
+def _run_name(manifest: Path) -> str:
+    """docs/runs/NAME for a run's manifest and for a seed's."""
+    run = manifest.parent.parent if manifest.parent.name.startswith("seed-") else manifest.parent
+    return run.name
 # Where the published runs found the embedded model (models.embedded_model_dir on that machine).
 RECORDED_EMBEDDED = Path("/root/.cache/selfplay/smollm2-135m-instruct")
 
@@ -162,7 +171,9 @@ def _recorded(recorded: dict, rebuilt: dict, prefix: str = "") -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize(
+    "manifest", MANIFESTS, ids=lambda p: p.parent.relative_to(ROOT / "docs" / "runs").as_posix()
+)
 def test_a_published_manifest_gives_its_recorded_config(manifest, here):
     """`--config docs/runs/NAME/manifest.json`: every value the run recorded, and the same run
     for a resume (an option added since takes the value the run had)."""
@@ -176,11 +187,15 @@ def test_a_published_manifest_gives_its_recorded_config(manifest, here):
 
 def test_a_published_run_names_its_recipe():
     """docs/runs/NAME/RECIPE, for each recipe with a published run (scripts/publish_run.py)."""
-    named = {p.parent.name for p in MANIFESTS if (p.parent / "RECIPE").is_file()}
-    assert named == {p.stem for p in RECIPES} & {p.parent.name for p in MANIFESTS}
+    runs = {_run_name(p) for p in MANIFESTS}
+    named = {name for name in runs if (ROOT / "docs" / "runs" / name / "RECIPE").is_file()}
+    assert named == {p.stem for p in RECIPES} & runs
     for name in named:
         note = (ROOT / "docs" / "runs" / name / "RECIPE").read_text()
         assert note.startswith(f"recipe: recipes/{name}.toml\n")
+        if (ROOT / "docs" / "runs" / name / "SEEDS.md").is_file():
+            # A multi-seed run is run again by its recipe (a seed's manifest is one of its runs).
+            assert note.endswith(f"selfplay iterate --config recipes/{name}.toml\n")
 
 
 # `make demo`'s arguments before the recipes (the Makefile's DEMO_ARGS): what README times.
