@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfplay.errors import UserError, first_problem
-from selfplay.game import DEFAULT_GAME
+from selfplay.game import DEFAULT_GAME, GameField
 from selfplay.metrics import HeldOut
 
 MANIFEST_VERSION = 1
@@ -56,7 +56,7 @@ class RunSettings(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model: str | None = None
-    game: str = DEFAULT_GAME
+    game: GameField = Field(DEFAULT_GAME, validate_default=True)  # a name in, the game out
     table_size: int = 8
     partner: str | None = None
     policy_seat: Literal[1, 2] = 1

@@ -879,7 +879,7 @@ def test_version_1_records_still_convert_as_matching_games(tmp_path, validate):
     assert rows_old == rows_new
     assert [(n, "unknown game 'chess'" in why) for n, why in s.skipped] == [(3, True)]
     again = list(iter_game_records(write(tmp_path / "old.jsonl", old)))
-    assert [r.game for r in again] == ["matching", "matching"]
+    assert [r.game.name for r in again] == ["matching", "matching"]
     assert [r.scenario for r in again] == [r.scenario for r in new]
 
 

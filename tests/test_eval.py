@@ -18,6 +18,7 @@ from selfplay.evaluate.config import EvalConfig, EvalError, EvalResult, ModelSpe
 from selfplay.evaluate.human import human_reference
 from selfplay.evaluate.run import run_models
 from selfplay.game import MATCHING
+from selfplay.players.partners import ScriptedPartner
 from selfplay.seeds import eval_scenario_seed, scenario_seed
 
 TESTS = Path(__file__).resolve().parent
@@ -307,7 +308,8 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     # eval.json reads back typed: its config is the EvalConfig it ran with
     result = load_result(out / "eval.json")
     assert isinstance(result.config, EvalConfig) and result.config.max_actions == 12
-    assert result.config.partner == "cooperative" and result.rows[0].name == str(tiny_model)
+    assert result.config.partner == ScriptedPartner("cooperative")
+    assert result.rows[0].name == str(tiny_model)
 
 
 def test_an_older_eval_json_still_reads(tmp_path):

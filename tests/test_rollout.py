@@ -26,7 +26,7 @@ from selfplay.generate.rollout import (
     training_plan,
 )
 from selfplay.metrics import summarize
-from selfplay.players.partners import OpenAIPartner, ScriptedPartner
+from selfplay.players.partners import OpenAIPartner, ScriptedPartner, SelfPlay
 
 # --- seed spaces and plans: every existing game id and seed stays what it was ------------------
 
@@ -80,8 +80,9 @@ def test_seating_puts_the_policy_where_the_partner_spec_says():
     scenario = generate_scenario(1, 3)
     me = _named("me")
     assert seating(me, game=MATCHING).players(scenario, 9) == (("me", 0, 9), ("me", 1, 9))
-    assert seating(me, "self", game=MATCHING).players(scenario, 9)[1] == ("me", 1, 9)
-    one, two = seating(me, "scripted:shy", policy_seat=2, game=MATCHING).players(scenario, 9)
+    assert seating(me, SelfPlay(), game=MATCHING).players(scenario, 9)[1] == ("me", 1, 9)
+    shy = seating(me, ScriptedPartner("shy"), policy_seat=2, game=MATCHING)
+    one, two = shy.players(scenario, 9)
     assert two == ("me", 1, 9)
     assert one.config.kind == "scripted" and one.config.name == "shy"
     one, two = seating(me, ScriptedPartner("cooperative"), game=MATCHING).players(scenario, 9)

@@ -144,7 +144,7 @@ def rows_of_record(record: GameRecord, config: ConvertConfig) -> RecordRows:
         _finite(record.reward),
         str(record.outcome),
         offender,
-        game_kind(record.game, record.scenario),
+        game_kind(record.game.name, record.scenario),
     )
     seats = (
         (seat, _seat_lists(t, record.seats[seat]))

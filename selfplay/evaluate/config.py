@@ -28,11 +28,11 @@ from selfplay.engines import (
 )
 from selfplay.errors import UserError
 from selfplay.fileio import atomic_write
-from selfplay.game import DEFAULT_GAME, game_of, get_game
+from selfplay.game import game_of
 from selfplay.generate.config import PlayOptions
 from selfplay.hardware import ComputeDtype
 from selfplay.metrics import GameSummary
-from selfplay.players.partners import PartnerOptions
+from selfplay.players.partners import PartnerOptions, SelfPlay
 from selfplay.records import SamplingParams
 from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
@@ -146,7 +146,9 @@ class EvalConfig(PartnerOptions, PlayOptions):
     @field_validator("baselines")
     @classmethod
     def _baselines_known(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...]:
-        game = game_of(info) or get_game(DEFAULT_GAME)
+        game = game_of(info)
+        if game is None:  # the game was refused, and said so
+            return v
         if v is None:
             return game.baselines
         return tuple(_scripted_name(b, game.scripted_names) for b in v)
@@ -178,7 +180,7 @@ class EvalConfig(PartnerOptions, PlayOptions):
                 "games_per_scenario: several games per scenario only differ when sampled; "
                 "set a temperature above 0 or play 1 game per scenario"
             )
-        if self.cross_play and self.partner is not None:
+        if self.cross_play and not isinstance(self.partner, SelfPlay):
             raise ValueError(
                 "cross_play: cross-play pairs the models with each other; drop the partner"
             )

@@ -70,7 +70,6 @@ from selfplay.evaluate.config import (
     summary_fields,
 )
 from selfplay.evaluate.human import comparable, human_reference
-from selfplay.game import get_game
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -85,6 +84,7 @@ from selfplay.generate.rollout import (
 from selfplay.manifest import read_manifest
 from selfplay.metrics import summarize
 from selfplay.players.llm import ChatFormat, load_chat_format
+from selfplay.players.partners import stored_partner
 from selfplay.records import GameRecord, append_records
 from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
@@ -140,7 +140,7 @@ class _Evaluation:
         self.plan = eval_plan(
             config.seed, config.num_scenarios, config.games_per_scenario, config.split
         )
-        self.game = get_game(config.game)
+        self.game = config.game
         self.scenarios = Scenarios(config.table_size, keep=True, game=self.game)  # every row
         self.games_dir = config.out / "games" if config.out is not None else None
         self.partner_client = None  # an API partner's client, shared by every row
@@ -252,7 +252,7 @@ async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) ->
     rows: list[EvalRow] = []
     errors: dict[str, str] = {}
     kept: list[_Loaded] = []  # engines open now: the models held for cross-play, or the current
-    partner = config.partner
+    partner = stored_partner(config.partner)  # a row's name for it (None: self-play)
 
     def failed(label: str, names: tuple[str, str], model: str, msg: str) -> None:
         """A model's row when it could not be evaluated; the others still are."""
@@ -302,7 +302,7 @@ async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) ->
         for lm in kept:
             await lm.engine.aclose()
         await ev.aclose()
-    game = get_game(config.game)
+    game = config.game
     if comparable(game, config.table_size):  # humans played this size: their row compares
         rows.append(human_reference(game, config.human_data))
     elif game.human is not None:

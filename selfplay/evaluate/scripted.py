@@ -10,7 +10,7 @@ from pathlib import Path
 
 from selfplay.evaluate.config import EvalError
 from selfplay.fileio import atomic_write
-from selfplay.game import DialogueGame, get_game
+from selfplay.game import DialogueGame
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -111,11 +111,10 @@ def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
 
 
 def run_scripted_pair(
-    game_name: str, players: str, *, out: Path | None = None, **options
+    game: DialogueGame, players: str, *, out: Path | None = None, **options
 ) -> ScriptedPair:
     """``selfplay eval --players A,B``: the pair's games summarised (``evaluate_scripted``'s
     options), its JSON written to ``out`` when given."""
-    game = get_game(game_name)
     pair = evaluate_scripted(game, scripted_pair(players, game.scripted_names), **options)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

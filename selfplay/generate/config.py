@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of
+from selfplay.game import DEFAULT_GAME, GAMES, GameField, game_of
 from selfplay.players import partners
 from selfplay.records import SamplingParams
 
@@ -56,8 +56,10 @@ class PlayOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    game: GameName = Field(
-        DEFAULT_GAME, description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game)."
+    game: GameField = Field(
+        DEFAULT_GAME,
+        validate_default=True,
+        description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game).",
     )
     table_size: int = Field(
         8,

@@ -63,7 +63,7 @@ async def play_game(
         round=round,
         error=error,
         seconds=time.perf_counter() - start,
-        game=game.name,
+        game=game,
     )
 
 
@@ -76,9 +76,10 @@ def build_record(
     round: int,
     error: str | None,
     seconds: float,
-    game: str,
+    game: DialogueGame,
 ) -> GameRecord:
-    """The record of finished ``rules`` of the game called ``game`` (a name in ``GAMES``)."""
+    """The record of finished ``rules`` of ``game`` (a registered game; the record stores its
+    name)."""
     actions = [
         ActionRecord(
             seat=a.seat, text=a.text, kind=a.kind, valid=a.valid, error=a.error, proposal=a.proposal

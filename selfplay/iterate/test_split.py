@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from selfplay.game import get_game
 from selfplay.iterate.child import isolated
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.iterate.heldout import eval_config, held_out
@@ -63,7 +62,7 @@ def test_stage(cfg: IterateConfig, manifest: Manifest, start: str, final: str):
     log.info(
         "test split: %s and %d baselines on %d scenarios (played once)",
         ", ".join(models),
-        len(get_game(cfg.game).heldout_baselines),
+        len(cfg.game.heldout_baselines),
         cfg.test_scenarios,
     )
     rows, _ = isolated(_test_eval, cfg, models, out)
