@@ -10,7 +10,8 @@ import pytest
 
 from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
 from selfplay.evaluate.config import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
-from selfplay.game import MATCHING, PAPERS_SHORT, REVIEWERS
+from selfplay.game.matching import MATCHING
+from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS
 from selfplay.game.matching.scripted import make_scripted
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import plan_games
@@ -263,7 +264,7 @@ def test_every_summary_key_is_a_row_field_or_left_out_on_purpose():
     assert not NOT_IN_ROW & row_fields
     fields = summary_fields(summary)
     assert set(fields) == keys - NOT_IN_ROW
-    row = EvalRow(name="x", kind="baseline", seat1="a", seat2="b", **fields)
+    row = EvalRow(name="x", kind="baseline", seat0="a", seat1="b", **fields)
     assert row.games == 3 and row.outcomes == summary.outcomes
     empty = summary_fields(summarize([]))
     assert empty["reward_mean"] is None and not any(
@@ -276,7 +277,7 @@ def test_every_summary_key_is_a_row_field_or_left_out_on_purpose():
     with pytest.raises(TypeError, match="new_metric, which EvalRow does not have"):
         summary_fields(Grown(**summary.model_dump()))
     with pytest.raises(ValueError, match="new_metric"):
-        EvalRow(name="x", kind="baseline", seat1="a", seat2="b", new_metric=1.0)
+        EvalRow(name="x", kind="baseline", seat0="a", seat1="b", new_metric=1.0)
 
 
 # --- eval engine templates --------------------------------------------------------------------

@@ -9,7 +9,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -232,8 +232,9 @@ class EvalRow(BaseModel):
 
     name: str
     kind: Kind
+    # who sat where, numbered as the records number seats (0 moves first), as the metrics' seat0
+    seat0: str
     seat1: str
-    seat2: str
     model: str | None = None  # the resolved model path of a model row
     error: str | None = None
     source: str | None = None  # where a human row's numbers come from
@@ -254,6 +255,19 @@ class EvalRow(BaseModel):
     general_questions_per_game: float | None = None
     outcomes: dict[str, int] = {}
     seconds: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _seats_numbered_from_one(cls, data: Any) -> Any:
+        """An eval.json written before the seats were numbered from 0 (``seat1``, ``seat2``)
+        reads as today's (``seat0``, ``seat1``)."""
+        if isinstance(data, dict) and "seat2" in data and "seat0" not in data:
+            first, second = data.get("seat1"), data["seat2"]
+            data = {k: v for k, v in data.items() if k != "seat2"} | {
+                "seat0": first,
+                "seat1": second,
+            }
+        return data
 
 
 # metrics.summarize keys without a column in the table, on purpose: per-seat question counts and

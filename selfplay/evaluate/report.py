@@ -68,7 +68,7 @@ COLUMNS = (
 def row_cells(r: EvalRow) -> list[str]:
     return [
         f"{r.name} ({r.kind})",
-        f"{r.seat1} + {r.seat2}",
+        f"{r.seat0} + {r.seat1}",
         str(r.games),
         reward_cell(r),
         _f(r.agreement_rate),

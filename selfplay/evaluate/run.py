@@ -224,12 +224,12 @@ class _Evaluation:
         return _Loaded(spec, path, engine, chat)
 
 
-def _row(name: str, kind: Kind, seat1: str, seat2: str, records, started: float, **extra):
+def _row(name: str, kind: Kind, seat0: str, seat1: str, records, started: float, **extra):
     return EvalRow(
         name=name,
         kind=kind,
+        seat0=seat0,
         seat1=seat1,
-        seat2=seat2,
         seconds=time.perf_counter() - started,
         **extra,
         **summary_fields(summarize(records)),
@@ -258,17 +258,16 @@ async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) ->
         """A model's row when it could not be evaluated; the others still are."""
         log.error("%s", msg)
         errors[label] = msg
-        seat1, seat2 = names
+        seat0, seat1 = names
         rows.append(
-            EvalRow(name=label, kind="model", seat1=seat1, seat2=seat2, model=model, error=msg)
+            EvalRow(name=label, kind="model", seat0=seat0, seat1=seat1, model=model, error=msg)
         )
 
     try:
         await ev.prepare()
         for spec in config.models:
             t0 = time.perf_counter()
-            seat2_name = partner or spec.label
-            names = _ordered((spec.label, seat2_name), config)
+            names = _ordered((spec.label, partner or spec.label), config)
 
             try:
                 lm = await ev.load(spec)
@@ -352,8 +351,8 @@ async def _cross_play(
                     EvalRow(
                         name=name,
                         kind="cross",
-                        seat1=a.spec.label,
-                        seat2=b.spec.label,
+                        seat0=a.spec.label,
+                        seat1=b.spec.label,
                         error=errors[name],
                     )
                 )
