@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from selfplay.game import Outcome
+from selfplay.game.api import Outcome
 from selfplay.records import GameRecord
 
 

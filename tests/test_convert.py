@@ -34,8 +34,8 @@ from selfplay.convert.rows import (
     rows_of_record,
 )
 from selfplay.fileio import LOCK_NAME, FolderBusy, folder_lock
-from selfplay.game import generate_scenario
 from selfplay.game.api import Outcome
+from selfplay.game.matching.rules import generate_scenario
 from selfplay.records import (
     TRAINING_SCHEMA,
     ActionRecord,
@@ -977,7 +977,7 @@ def test_games_of_two_sizes_or_games_never_share_a_group_and_a_repeated_game_is_
     """One seed draws scenario A at 3x3 and at 4x4, and in matching and matching-advice: the
     four are four groups, each keyed by its game and size; a game id read twice is skipped with
     a warning naming the first line (it would count twice in its group)."""
-    from selfplay.game import generate_scenario
+    from selfplay.game.matching.rules import generate_scenario
 
     big = generate_scenario(1, 4).model_copy(update={"id": "A"})
     records = [game("a1", "A", 0.2), game("a2", "A", 0.8)]

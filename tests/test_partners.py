@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.convert import ConvertConfig, convert
 from selfplay.engines import HFEngineConfig
-from selfplay.game import MATCHING
 from selfplay.game.api import Outcome
+from selfplay.game.matching import MATCHING
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import OutputMismatch
 from selfplay.generate.runner import generate_games, partner_config

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from selfplay.evaluate.config import EvalError
 from selfplay.fileio import atomic_write
-from selfplay.game import DialogueGame
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID, DialogueGame
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -30,8 +30,8 @@ def play_scripted(
     num_games: int,
     seed: int,
     n: int = 8,
-    max_actions: int = 30,
-    max_invalid: int = 3,
+    max_actions: int = MAX_ACTIONS,
+    max_invalid: int = MAX_INVALID,
     split: str = "dev",
 ) -> list[GameRecord]:
     """Play ``num_games`` games of two of ``game``'s scripted policies, one fresh held-out scenario
@@ -90,8 +90,8 @@ def evaluate_scripted(
     num_games: int,
     seed: int,
     n: int = 8,
-    max_actions: int = 30,
-    max_invalid: int = 3,
+    max_actions: int = MAX_ACTIONS,
+    max_invalid: int = MAX_INVALID,
     split: str = "dev",
 ) -> ScriptedPair:
     """The summary (see metrics.summarize) of ``play_scripted``'s games, with the pair."""

@@ -2,7 +2,8 @@
 
 Pure rules: no I/O, no engines, no torch. ``api.DialogueGame`` is the interface;
 ``conformance.check_game(game)`` is the check every game must pass; ``GAMES`` names the games
-there are and ``get_game(name)`` picks one. The matching game's own names stay exported here.
+there are and ``get_game(name)`` picks one. This package exports the registry only: the
+interface is ``selfplay.game.api``'s, the matching game's own names ``selfplay.game.matching``'s.
 
 A name becomes a game in one place: ``GameField``, the type of every config's and record's
 ``game`` field, validates a name into the game object once and serialises it back to the name, so
@@ -15,47 +16,11 @@ from typing import Annotated
 from pydantic import PlainSerializer, PlainValidator, ValidationInfo, WithJsonSchema
 
 from selfplay.errors import UserError
-from selfplay.game.api import DialogueGame, GameOverError, Outcome
-from selfplay.game.matching import (
-    MATCHING,
-    MATCHING_ADVICE,
-    MATCHING_ADVICE_CAP2,
-    MATCHING_CAP2,
-    MATCHING_GAPS,
-    MATCHING_LINES,
-    MATCHING_NOTES,
-    MATCHING_RANKED,
-    MATCHING_SHORT,
-)
-from selfplay.game.matching.rules import (
-    PAPERS,
-    PAPERS_SHORT,
-    REVIEWERS,
-    ProposalError,
-    Scenario,
-    best_assignment,
-    generate_scenario,
-    parse_proposal,
-    scenario_from_arrays,
-    score_assignment,
-)
-from selfplay.game.matching.turns import Action, Game, StepResult
+from selfplay.game.api import DialogueGame
+from selfplay.game.matching import MATCHING, VIEWS
 
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
-GAMES: dict[str, DialogueGame] = {
-    game.name: game
-    for game in (
-        MATCHING,
-        MATCHING_LINES,
-        MATCHING_RANKED,
-        MATCHING_SHORT,
-        MATCHING_GAPS,
-        MATCHING_NOTES,
-        MATCHING_ADVICE,
-        MATCHING_CAP2,
-        MATCHING_ADVICE_CAP2,
-    )
-}
+GAMES: dict[str, DialogueGame] = {game.name: game for game in (*VIEWS,)}  # matching's views
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
 
@@ -147,39 +112,14 @@ def game_of(info: ValidationInfo) -> DialogueGame | None:
     return info.data.get("game")
 
 
-__all__ = [
+__all__ = [  # the registry only
     "DEFAULT_GAME",
     "ENTRY_POINT_GROUP",
     "GAMES",
-    "MATCHING",
-    "MATCHING_ADVICE",
-    "MATCHING_ADVICE_CAP2",
-    "MATCHING_CAP2",
-    "MATCHING_GAPS",
-    "MATCHING_LINES",
-    "MATCHING_NOTES",
-    "MATCHING_RANKED",
-    "MATCHING_SHORT",
-    "PAPERS",
-    "PAPERS_SHORT",
-    "REVIEWERS",
-    "Action",
     "BrokenGameError",
-    "DialogueGame",
-    "Game",
     "GameField",
-    "GameOverError",
-    "Outcome",
-    "ProposalError",
-    "Scenario",
-    "StepResult",
     "UnknownGameError",
-    "best_assignment",
     "game_of",
-    "generate_scenario",
     "get_game",
     "lookup_game",
-    "parse_proposal",
-    "scenario_from_arrays",
-    "score_assignment",
 ]

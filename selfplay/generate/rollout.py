@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfplay.engines import Engine
-from selfplay.game import DialogueGame
+from selfplay.game.api import DialogueGame
 from selfplay.generate.play import play_game
 from selfplay.players import Player
 from selfplay.players.api import ApiPartner, PartnerClient

@@ -19,7 +19,8 @@ from selfplay.convert import ConvertOptions
 from selfplay.engines import EngineConfig
 from selfplay.errors import UserError
 from selfplay.fileio import check_name
-from selfplay.game import DEFAULT_GAME, DialogueGame, game_of
+from selfplay.game import DEFAULT_GAME, game_of
+from selfplay.game.api import DialogueGame
 from selfplay.game.matching import MATCHING
 from selfplay.generate.config import GenerateOptions
 from selfplay.train.config import TrainerOptions

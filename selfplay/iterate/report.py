@@ -22,7 +22,7 @@ from selfplay.evaluate.human import comparable, human_label
 from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
 from selfplay.fileio import atomic_write
-from selfplay.game import DialogueGame
+from selfplay.game.api import DialogueGame
 from selfplay.manifest import MANIFEST_FILE, Manifest, RunSettings, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
 

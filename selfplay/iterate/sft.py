@@ -40,6 +40,7 @@ from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
 from selfplay.fileio import refuse_link
 from selfplay.game import DEFAULT_GAME, GAMES, GameField, game_of
+from selfplay.game.api import MAX_ACTIONS
 from selfplay.generate.config import SIZE_HELP, size_of_the_game
 from selfplay.generate.teacher import (
     HumanReplay,
@@ -103,7 +104,7 @@ class SFTConfig(BaseModel):
     )
     num_games: int = Field(1000, ge=1, description="teacher: games to play and clone.")
     table_size: int = Field(3, description=SIZE_HELP)
-    max_actions: int = Field(30, ge=1, description="teacher: actions per game at most.")
+    max_actions: int = Field(MAX_ACTIONS, ge=1, description="teacher: actions per game at most.")
     games: Path | None = Field(
         None, description="Clone our own games: a games.jsonl (filtered by --min-reward)."
     )
