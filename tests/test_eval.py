@@ -599,3 +599,19 @@ def test_a_row_numbers_its_seats_as_the_records_do_and_reads_an_older_rows_seat1
     assert new == old
     with pytest.raises(ValidationError, match="seat0"):  # a row names both seats
         EvalRow.model_validate({"name": "x", "kind": "baseline", "seat1": "b"})
+
+
+def test_the_published_runs_metrics_read_back_with_their_seats_numbered_from_zero():
+    """The runs committed under docs/runs stored per-seat metrics as seat0/seat1 (the records'
+    numbering, kept): every metrics.jsonl still reads, each round with both seats' numbers."""
+    from pathlib import Path
+
+    from selfplay.iterate.report import read_metrics
+
+    runs = sorted((Path(__file__).parent.parent / "docs" / "runs").glob("*/metrics.jsonl"))
+    assert runs, "docs/runs holds the published runs"
+    for path in runs:
+        for row in read_metrics(path.parent):
+            seats = row.questions_per_game_seat0, row.questions_per_game_seat1
+            assert all(isinstance(x, float) for x in seats), path
+            assert "questions_per_game_seat2" not in row.model_dump(), path

@@ -62,7 +62,7 @@ async def play_game(
         round=round,
         error=error,
         seconds=time.perf_counter() - start,
-        game=game,
+        game=game.name,  # the record holds the registered game of that name
     )
 
 
@@ -75,10 +75,9 @@ def build_record(
     round: int,
     error: str | None,
     seconds: float,
-    game: DialogueGame,
+    game: str,
 ) -> GameRecord:
-    """The record of finished ``rules`` of ``game`` (a registered game; the record stores its
-    name)."""
+    """The record of finished ``rules`` of the game called ``game`` (a name in ``GAMES``)."""
     actions = [
         ActionRecord(
             seat=a.seat, text=a.text, kind=a.kind, valid=a.valid, error=a.error, proposal=a.proposal
