@@ -977,13 +977,14 @@ def test_games_of_two_sizes_or_games_never_share_a_group_and_a_repeated_game_is_
     """One seed draws scenario A at 3x3 and at 4x4, and in matching and matching-advice: the
     four are four groups, each keyed by its game and size; a game id read twice is skipped with
     a warning naming the first line (it would count twice in its group)."""
+    from selfplay.game.matching import MATCHING_ADVICE
     from selfplay.game.matching.rules import generate_scenario
 
     big = generate_scenario(1, 4).model_copy(update={"id": "A"})
     records = [game("a1", "A", 0.2), game("a2", "A", 0.8)]
     records += [game("b1", "A", 0.1).model_copy(update={"scenario": big})]
     records += [game("b2", "A", 0.9).model_copy(update={"scenario": big})]
-    records += [game(f"c{i}", "A", i / 2).model_copy(update={"game": "matching-advice"})
+    records += [game(f"c{i}", "A", i / 2).model_copy(update={"game": MATCHING_ADVICE})
                 for i in range(2)]  # fmt: skip
     records += [game("a1", "A", 0.2)]
     s, train, _ = run(tmp_path, records)
