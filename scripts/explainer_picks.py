@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 
-from selfplay.game import PAPERS_SHORT, REVIEWERS
+from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS
 from selfplay.game.matching.scripted import PICKS, Explainer, parse_picks
 from selfplay.records import GameRecord, iter_game_records
 

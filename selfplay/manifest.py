@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from selfplay.errors import UserError, first_problem
-from selfplay.game import DEFAULT_GAME
+from selfplay.game import DEFAULT_GAME, GameField
 from selfplay.metrics import NAN, GameSummary, HeldOut
 
 MANIFEST_VERSION = 1
@@ -219,7 +219,7 @@ class RunSettings(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model: str | None = None
-    game: str = DEFAULT_GAME
+    game: GameField = Field(DEFAULT_GAME, validate_default=True)  # a name in, the game out
     table_size: int = 8
     partner: str | None = None
     policy_seat: Literal[1, 2] = 1

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from selfplay.game import Outcome, get_game
+from selfplay.game.api import Outcome
 from selfplay.records import GameRecord
 
 
@@ -99,7 +99,7 @@ class Summary:
         self._invalid.append(r.counts.get("invalid", sum(not a.valid for a in r.actions)))
         self._optimal.append(r.outcome == Outcome.ACCEPTED and r.reward >= 1.0)  # the best there is
         self._outcomes[str(r.outcome)] += 1
-        game = get_game(r.game)
+        game = r.game
         for a in r.actions:
             if a.valid and a.kind == "message":
                 stated, true = game.check_statements(a.text, r.scenario, a.seat)
@@ -140,7 +140,7 @@ def _modal_share(counts: Counter[str]) -> float:
 def question_counts(record: GameRecord) -> dict[str, int]:
     """Questions in valid [message] turns, per seat and kind: seat0_direct, seat0_general, ..."""
     counts = {f"seat{s}_{k}": 0 for s in (0, 1) for k in ("direct", "general")}
-    game = get_game(record.game)
+    game = record.game
     for a in record.actions:
         if a.valid and a.kind == "message":
             kind = game.classify_question(a.text, record.scenario)

@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
 import typer
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, PlainSerializer, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -162,6 +162,13 @@ def _cli_type(annotation: Any) -> tuple[Any, tuple[Any, ...]]:
     return (annotation | None if optional else annotation), choices
 
 
+def _stored_type(f: FieldInfo) -> Any:
+    """The type a field is given as on the command line: its stored form where it holds an
+    object given by a name (a game, a partner: ``PlainSerializer``'s return type), else its own."""
+    stored = next((m for m in f.metadata if isinstance(m, PlainSerializer)), None)
+    return f.annotation if stored is None else stored.return_type
+
+
 def _describe_range(f: FieldInfo) -> str:
     """A field's bounds as typer shows them (``x>=1``, ``x>0``, ``0<=x<1``)."""
     low = high = None
@@ -192,7 +199,7 @@ def _option(spec: Fields, path: str, f: FieldInfo, default: Any) -> tuple[Any, A
         default = default.value
     elif isinstance(default, tuple):
         default = list(default)
-    annotation, choices = _cli_type(f.annotation)
+    annotation, choices = _cli_type(_stored_type(f))
     text = over.pop("help", None) or f.description
     if not text:
         raise TypeError(

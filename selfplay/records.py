@@ -21,6 +21,8 @@ import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -28,8 +30,8 @@ from pydantic import (
 
 from selfplay.errors import UserError
 from selfplay.fileio import open_output
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, get_game, lookup_game
-from selfplay.game.api import Outcome
+from selfplay.game import DEFAULT_GAME, GameField
+from selfplay.game.api import DialogueGame, Outcome
 from selfplay.seats import SamplingParams, SeatConfig, SeatTokens
 from selfplay.training_schema import TRAINING_SCHEMA, TRAINING_SCHEMA_VERSION
 
@@ -82,7 +84,8 @@ class GameRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1, 2] = SCHEMA_VERSION
-    game: GameName = DEFAULT_GAME  # a name in selfplay.game.GAMES
+    # the game object (stored as its name, one in selfplay.game.GAMES or an installed game's)
+    game: GameField = Field(DEFAULT_GAME, validate_default=True)
     game_id: str
     scenario_id: str
     round: int = 0
@@ -103,7 +106,7 @@ class GameRecord(BaseModel):
     def _game_scenario(cls, value: Any, info: ValidationInfo) -> Any:
         if "game" not in info.data:
             raise ValueError("the scenario cannot be read without a known game")
-        kind = get_game(info.data["game"]).scenario_type
+        kind = info.data["game"].scenario_type
         return value if isinstance(value, kind) else kind.model_validate(value)
 
 
@@ -170,7 +173,13 @@ def known_game(obj: dict) -> str | None:
     name = obj.get("game", DEFAULT_GAME)
     if not isinstance(name, str):
         return None
-    return name if name in GAMES or lookup_game(name) is not None else None
+    try:
+        return _GAME.validate_python(name).name  # the field's own check, as GameRecord's
+    except ValidationError:
+        return None
+
+
+_GAME: TypeAdapter[DialogueGame] = TypeAdapter(GameField)
 
 
 def line_game_id(line: bytes) -> str | None:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from selfplay.environ import scoped_env
+
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "swanlab", "trackio")
 
 
@@ -33,20 +35,6 @@ def parse_loggers(text: str | None) -> tuple[str, ...]:
 def run_id(name: str) -> str:
     """A stable tracker run id for a run name (the same run resumes the same tracked run)."""
     return "selfplay-" + hashlib.sha256(name.encode()).hexdigest()[:12]
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -69,7 +57,7 @@ def open_tracker(
     }
     from verl.utils.tracking import Tracking
 
-    with _environ(env):
+    with scoped_env(env):
         tracker = Tracking(
             project_name=project,
             experiment_name=name,

@@ -58,9 +58,8 @@ def _prime(base: Path, out: Path, n: int = 3, steps: int = 100, seed: int = 0) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from selfplay.game import generate_scenario
     from selfplay.game.matching.prompts import intro
-    from selfplay.game.matching.rules import format_proposal
+    from selfplay.game.matching.rules import format_proposal, generate_scenario
     from selfplay.game.matching.turns import PROPOSAL_CHOICES
 
     tok = AutoTokenizer.from_pretrained(base)

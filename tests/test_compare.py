@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.evaluate.compare import CompareError, compare, games_path, markdown
-from selfplay.game import generate_scenario
+from selfplay.game.matching.rules import generate_scenario
 from selfplay.records import ActionRecord, GameRecord, SeatConfig, dump_record
 
 SEAT = SeatConfig(kind="scripted", name="x")

@@ -34,8 +34,8 @@ from selfplay.convert.rows import (
     rows_of_record,
 )
 from selfplay.fileio import LOCK_NAME, FolderBusy, folder_lock
-from selfplay.game import generate_scenario
 from selfplay.game.api import Outcome
+from selfplay.game.matching.rules import generate_scenario
 from selfplay.records import (
     TRAINING_SCHEMA,
     ActionRecord,
@@ -880,7 +880,7 @@ def test_version_1_records_still_convert_as_matching_games(tmp_path, validate):
     assert rows_old == rows_new
     assert [(n, "unknown game 'chess'" in why) for n, why in s.skipped] == [(3, True)]
     again = list(iter_game_records(write(tmp_path / "old.jsonl", old)))
-    assert [r.game for r in again] == ["matching", "matching"]
+    assert [r.game.name for r in again] == ["matching", "matching"]
     assert [r.scenario for r in again] == [r.scenario for r in new]
 
 
@@ -978,13 +978,14 @@ def test_games_of_two_sizes_or_games_never_share_a_group_and_a_repeated_game_is_
     """One seed draws scenario A at 3x3 and at 4x4, and in matching and matching-advice: the
     four are four groups, each keyed by its game and size; a game id read twice is skipped with
     a warning naming the first line (it would count twice in its group)."""
-    from selfplay.game import generate_scenario
+    from selfplay.game.matching import MATCHING_ADVICE
+    from selfplay.game.matching.rules import generate_scenario
 
     big = generate_scenario(1, 4).model_copy(update={"id": "A"})
     records = [game("a1", "A", 0.2), game("a2", "A", 0.8)]
     records += [game("b1", "A", 0.1).model_copy(update={"scenario": big})]
     records += [game("b2", "A", 0.9).model_copy(update={"scenario": big})]
-    records += [game(f"c{i}", "A", i / 2).model_copy(update={"game": "matching-advice"})
+    records += [game(f"c{i}", "A", i / 2).model_copy(update={"game": MATCHING_ADVICE})
                 for i in range(2)]  # fmt: skip
     records += [game("a1", "A", 0.2)]
     s, train, _ = run(tmp_path, records)

@@ -17,7 +17,8 @@ from selfplay.cli import app
 from selfplay.evaluate.config import EvalConfig, EvalError, EvalResult, ModelSpec, load_result
 from selfplay.evaluate.human import human_reference
 from selfplay.evaluate.run import run_models
-from selfplay.game import MATCHING
+from selfplay.game.matching import MATCHING
+from selfplay.players.partners import ScriptedPartner
 from selfplay.seeds import eval_scenario_seed, scenario_seed
 
 TESTS = Path(__file__).resolve().parent
@@ -28,8 +29,8 @@ FAST = ["--table-size", "3", "--max-actions", "6", "--max-new-tokens", "40"]
 ROW_KEYS = {
     "name",
     "kind",
+    "seat0",
     "seat1",
-    "seat2",
     "model",
     "error",
     "source",
@@ -291,12 +292,12 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
     model = data["rows"][0]
-    assert (model["seat1"], model["seat2"]) == (str(tiny_model), "cooperative")
+    assert (model["seat0"], model["seat1"]) == (str(tiny_model), "cooperative")
     # the random tiny model writes garbage: its moves are invalid, and that is in the table
     assert model["invalid_action_rate"] > 0.5 and model["reward_mean"] == 0.0
     # baselines play seat 1 against the same partner, on the same scenarios
     coop = data["rows"][1]
-    assert (coop["seat1"], coop["seat2"]) == ("cooperative", "cooperative")
+    assert (coop["seat0"], coop["seat1"]) == ("cooperative", "cooperative")
     assert coop["agreement_rate"] > 0 and coop["reward_mean"] > 0.3
     assert coop["invalid_action_rate"] == 0.0
     md = (out / "eval.md").read_text()
@@ -307,7 +308,8 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     # eval.json reads back typed: its config is the EvalConfig it ran with
     result = load_result(out / "eval.json")
     assert isinstance(result.config, EvalConfig) and result.config.max_actions == 12
-    assert result.config.partner == "cooperative" and result.rows[0].name == str(tiny_model)
+    assert result.config.partner == ScriptedPartner("cooperative")
+    assert result.rows[0].name == str(tiny_model)
 
 
 def test_an_older_eval_json_still_reads(tmp_path):
@@ -340,8 +342,8 @@ def test_policy_seat_2_puts_the_partner_first(tiny_model, tmp_path):
     assert code == 0, output
     rows = {r.name: r for r in _load(out).rows}
     model = next(r for r in rows.values() if r.kind == "model")
-    assert (model.seat1, model.seat2) == ("shy", model.name)
-    assert (rows["no-talk"].seat1, rows["no-talk"].seat2) == ("shy", "no-talk")
+    assert (model.seat0, model.seat1) == ("shy", model.name)
+    assert (rows["no-talk"].seat0, rows["no-talk"].seat1) == ("shy", "no-talk")
     for name, games in _games(out).items():
         for g in games:
             assert g["seats"][0]["name"] == "shy"
@@ -372,7 +374,7 @@ def test_api_partner_in_eval_gets_the_persona_and_the_key_stays_out(
     assert first[0] == {"role": "system", "content": MATCHING.partner_persona}
     assert asked[0]["headers"].get("authorization") == f"Bearer {secret}"
     rows = {r.name: r for r in _load(out).rows}
-    assert rows["no-talk"].seat1 == "openai:standin-model"
+    assert rows["no-talk"].seat0 == "openai:standin-model"
     for path in out.rglob("*"):
         if path.is_file():
             assert secret not in path.read_text(errors="ignore"), path
@@ -583,3 +585,33 @@ def test_dev_and_test_splits_are_separate_seed_spaces_and_eval_plays_the_one_nam
     assert json.loads(out.read_text())["split"] == "test"
     bad = subprocess.run([*cmd[:-2], "--split", "train"], capture_output=True, text=True)
     assert bad.returncode != 0 and "split" in (bad.stdout + bad.stderr)
+
+
+def test_a_row_numbers_its_seats_as_the_records_do_and_reads_an_older_rows_seat1_seat2():
+    """Seats are numbered from 0 everywhere (records, metrics' seat0/seat1, eval rows); an
+    eval.json written when rows said seat1/seat2 reads back with the same players in order."""
+    from selfplay.evaluate.config import EvalRow
+
+    old = EvalRow.model_validate({"name": "x", "kind": "baseline", "seat1": "a", "seat2": "b"})
+    assert (old.seat0, old.seat1) == ("a", "b")
+    assert set(old.model_dump()) >= {"seat0", "seat1"} and "seat2" not in old.model_dump()
+    new = EvalRow.model_validate({"name": "x", "kind": "baseline", "seat0": "a", "seat1": "b"})
+    assert new == old
+    with pytest.raises(ValidationError, match="seat0"):  # a row names both seats
+        EvalRow.model_validate({"name": "x", "kind": "baseline", "seat1": "b"})
+
+
+def test_the_published_runs_metrics_read_back_with_their_seats_numbered_from_zero():
+    """The runs committed under docs/runs stored per-seat metrics as seat0/seat1 (the records'
+    numbering, kept): every metrics.jsonl still reads, each round with both seats' numbers."""
+    from pathlib import Path
+
+    from selfplay.iterate.report import read_metrics
+
+    runs = sorted((Path(__file__).parent.parent / "docs" / "runs").glob("*/metrics.jsonl"))
+    assert runs, "docs/runs holds the published runs"
+    for path in runs:
+        for row in read_metrics(path.parent):
+            seats = row.questions_per_game_seat0, row.questions_per_game_seat1
+            assert all(isinstance(x, float) for x in seats), path
+            assert "questions_per_game_seat2" not in row.model_dump(), path

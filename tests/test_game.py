@@ -10,21 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfplay.game import (
+from selfplay.game.api import Outcome
+from selfplay.game.matching.rules import (
     PAPERS,
     PAPERS_SHORT,
     REVIEWERS,
-    Game,
-    Outcome,
     ProposalError,
+    _batched_max_assignment,
     best_assignment,
+    format_proposal,
     generate_scenario,
+    mentions,
     parse_proposal,
     scenario_from_arrays,
     score_assignment,
 )
-from selfplay.game.matching.rules import _batched_max_assignment, format_proposal, mentions
-from selfplay.game.matching.turns import ERR_EMPTY, ERR_NOTHING_PENDING, ERR_PENDING
+from selfplay.game.matching.turns import ERR_EMPTY, ERR_NOTHING_PENDING, ERR_PENDING, Game
 
 # --- conformance vectors (shared/notes/dialop-matching.md) -----------------------------------
 
@@ -803,7 +804,8 @@ def test_a_proposal_cap_ends_the_game_with_no_deal_at_the_last_rejection():
     uncapped game plays on. Scripted play: the capped reward equals the uncapped game's when it
     agreed within 2 proposals, else 0."""
     from selfplay.evaluate.scripted import play_scripted
-    from selfplay.game import GAMES, Outcome
+    from selfplay.game import GAMES
+    from selfplay.game.api import Outcome
     from selfplay.game.matching.turns import LAST_PROPOSAL
 
     capped, plain = GAMES["matching-cap2"], GAMES["matching"]

@@ -18,17 +18,11 @@ import pytest
 import selfplay
 from selfplay import errors
 from selfplay.engines import EngineFailure
-from selfplay.game import (
-    GAMES,
-    MATCHING,
-    Game,
-    Outcome,
-    StepResult,
-    UnknownGameError,
-    get_game,
-)
+from selfplay.game import GAMES, UnknownGameError, get_game
+from selfplay.game.api import Outcome
 from selfplay.game.conformance import ConformanceError, check_game
-from selfplay.game.matching import MatchingGame
+from selfplay.game.matching import MATCHING, MatchingGame
+from selfplay.game.matching.turns import Game, StepResult
 from selfplay.generate import play
 
 PACKAGE = Path(selfplay.__file__).parent
@@ -235,3 +229,31 @@ def test_importing_the_engines_and_the_trainer_loads_no_game_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_games_default_limits_are_declared_once_and_every_config_takes_them():
+    """MAX_ACTIONS and MAX_INVALID (game.api) are the defaults of the game, of its rules and of
+    every config with the options; no module restates the numbers."""
+    import inspect
+    import re
+
+    from selfplay.evaluate.config import EvalConfig
+    from selfplay.game.api import MAX_ACTIONS, MAX_INVALID
+    from selfplay.generate.config import GenerateConfig
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.iterate.sft import SFTConfig
+
+    for config in (GenerateConfig, EvalConfig, IterateConfig, SFTConfig):
+        assert config.model_fields["max_actions"].default == MAX_ACTIONS, config
+    for config in (GenerateConfig, EvalConfig, IterateConfig):
+        assert config.model_fields["max_invalid"].default == MAX_INVALID, config
+    limits = inspect.signature(MATCHING.new_game).parameters
+    assert (limits["max_actions"].default, limits["max_invalid"].default) == (30, 3)
+    restated = re.compile(r"max_(actions|invalid)\b[^\n]*[=(:]\s*(30|3)\b")
+    found = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if restated.search(line)
+    ]
+    assert found == [], "use selfplay.game.api.MAX_ACTIONS / MAX_INVALID"

@@ -63,7 +63,7 @@ def test_an_installed_game_plays_through_generate_and_a_broken_one_is_refused(
         games = list(iter_game_records(tmp_path / "g" / "games.jsonl", report))
     finally:
         GAMES.pop("sum", None)  # registered by the first lookup: leave the registry as it was
-    assert [g.game for g in games] == ["sum", "sum"], report.skipped
+    assert [g.game.name for g in games] == ["sum", "sum"], report.skipped
     assert type(games[0].scenario).__module__ == "sum_game_plugin.game"
     bad = _generate(site, tiny_model, tmp_path / "b", "broken-sum")
     said = " ".join((bad.stdout + bad.stderr).split())

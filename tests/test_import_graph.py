@@ -23,6 +23,7 @@ ALLOWED = {
     "selfplay.game": {"selfplay.errors", "selfplay.seats"},
     "selfplay.engines": {"selfplay.errors", "selfplay.hardware"},
     "selfplay.train": {
+        "selfplay.environ",
         "selfplay.errors",
         "selfplay.fileio",
         "selfplay.hardware",
@@ -34,7 +35,7 @@ ALLOWED = {
 
 # The tree as floors, lowest first: a package imports only packages of lower floors.
 FLOORS = (
-    ("errors", "hardware", "seats", "seeds", "training_schema"),  # the shared vocabulary
+    ("environ", "errors", "hardware", "seats", "seeds", "training_schema"),  # shared vocabulary
     ("engines", "fileio", "game", "models", "reward", "tracking"),  # plug-ins and leaf helpers
     ("records", "train"),  # games.jsonl; the verl update (no game)
     ("convert", "metrics", "players"),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from selfplay.engines import Generation, GenerationRequest
-from selfplay.game import MATCHING
+from selfplay.game.matching import MATCHING
 from selfplay.game.matching.rules import generate_scenario
 from selfplay.generate.play import play_game
 from selfplay.players.llm import ChatFormat, ContextFull, LLMPlayer, TemplateError, load_chat_format

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.convert import ConvertConfig, convert
 from selfplay.engines import HFEngineConfig
-from selfplay.game import MATCHING
 from selfplay.game.api import Outcome
+from selfplay.game.matching import MATCHING
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import OutputMismatch
 from selfplay.generate.runner import generate_games, partner_config
@@ -480,7 +480,7 @@ def test_iterate_passes_partner_options_and_resume_keeps_the_partner(tmp_path):
         iterate(cfg, generate=fake_generate)
     g = seen[0]
     assert (g.partner, g.policy_seat, g.partner_base_url) == (
-        f"openai:{MODEL}",
+        OpenAIPartner(MODEL),
         2,
         "http://127.0.0.1:9/v1",
     )

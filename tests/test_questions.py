@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from selfplay.game import generate_scenario
 from selfplay.game.matching.questions import classify_question
+from selfplay.game.matching.rules import generate_scenario
 from selfplay.metrics import question_counts, summarize
 from selfplay.records import ActionRecord, GameRecord, SeatConfig
 

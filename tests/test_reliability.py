@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.fileio import LOCK_NAME, FolderBusy, folder_lock
-from selfplay.game import MATCHING
+from selfplay.game.matching import MATCHING
 from selfplay.records import iter_game_records
 
 GEN = ["--table-size", "3", "--max-new-tokens", "24", "--max-actions", "6"]

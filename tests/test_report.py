@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.evaluate.scripted import play_scripted
-from selfplay.game import MATCHING
+from selfplay.game.matching import MATCHING
 from selfplay.iterate.report import ReportError, write_report
 from selfplay.metrics import summarize
 from selfplay.records import append_records

@@ -10,7 +10,8 @@ import pytest
 
 from selfplay.engines import EngineFailure, HFEngineConfig, SGLangEngineConfig
 from selfplay.evaluate.config import NOT_IN_ROW, EvalConfig, EvalRow, ModelSpec, summary_fields
-from selfplay.game import MATCHING, PAPERS_SHORT, REVIEWERS
+from selfplay.game.matching import MATCHING
+from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS
 from selfplay.game.matching.scripted import make_scripted
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import plan_games
@@ -26,7 +27,7 @@ from selfplay.generate.rollout import (
     training_plan,
 )
 from selfplay.metrics import summarize
-from selfplay.players.partners import OpenAIPartner, ScriptedPartner
+from selfplay.players.partners import OpenAIPartner, ScriptedPartner, SelfPlay
 
 # --- seed spaces and plans: every existing game id and seed stays what it was ------------------
 
@@ -80,8 +81,9 @@ def test_seating_puts_the_policy_where_the_partner_spec_says():
     scenario = generate_scenario(1, 3)
     me = _named("me")
     assert seating(me, game=MATCHING).players(scenario, 9) == (("me", 0, 9), ("me", 1, 9))
-    assert seating(me, "self", game=MATCHING).players(scenario, 9)[1] == ("me", 1, 9)
-    one, two = seating(me, "scripted:shy", policy_seat=2, game=MATCHING).players(scenario, 9)
+    assert seating(me, SelfPlay(), game=MATCHING).players(scenario, 9)[1] == ("me", 1, 9)
+    shy = seating(me, ScriptedPartner("shy"), policy_seat=2, game=MATCHING)
+    one, two = shy.players(scenario, 9)
     assert two == ("me", 1, 9)
     assert one.config.kind == "scripted" and one.config.name == "shy"
     one, two = seating(me, ScriptedPartner("cooperative"), game=MATCHING).players(scenario, 9)
@@ -262,7 +264,7 @@ def test_every_summary_key_is_a_row_field_or_left_out_on_purpose():
     assert not NOT_IN_ROW & row_fields
     fields = summary_fields(summary)
     assert set(fields) == keys - NOT_IN_ROW
-    row = EvalRow(name="x", kind="baseline", seat1="a", seat2="b", **fields)
+    row = EvalRow(name="x", kind="baseline", seat0="a", seat1="b", **fields)
     assert row.games == 3 and row.outcomes == summary.outcomes
     empty = summary_fields(summarize([]))
     assert empty["reward_mean"] is None and not any(
@@ -275,7 +277,7 @@ def test_every_summary_key_is_a_row_field_or_left_out_on_purpose():
     with pytest.raises(TypeError, match="new_metric, which EvalRow does not have"):
         summary_fields(Grown(**summary.model_dump()))
     with pytest.raises(ValueError, match="new_metric"):
-        EvalRow(name="x", kind="baseline", seat1="a", seat2="b", new_metric=1.0)
+        EvalRow(name="x", kind="baseline", seat0="a", seat1="b", new_metric=1.0)
 
 
 # --- eval engine templates --------------------------------------------------------------------

@@ -10,9 +10,15 @@ from typer.testing import CliRunner
 
 from selfplay.cli import app
 from selfplay.evaluate.scripted import evaluate_scripted, play_scripted
-from selfplay.game import MATCHING, generate_scenario, parse_proposal
+from selfplay.game.matching import MATCHING
 from selfplay.game.matching.prompts import intro
-from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS, mentions
+from selfplay.game.matching.rules import (
+    PAPERS_SHORT,
+    REVIEWERS,
+    generate_scenario,
+    mentions,
+    parse_proposal,
+)
 from selfplay.game.matching.scripted import (
     Shy,
     format_values,
@@ -87,7 +93,7 @@ def _known_and_unknown(seat: int) -> tuple[tuple[int, int], tuple[int, int]]:
     ],
 )
 def test_shy_answers_only_direct_questions(template, expect):
-    from selfplay.game import PAPERS_SHORT, REVIEWERS
+    from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS
 
     (r, p), _ = _known_and_unknown(1)
     if PAPERS_SHORT[p] == "BLEU":  # keep the two-paper row a two-paper question
@@ -106,7 +112,7 @@ def test_shy_answers_only_direct_questions(template, expect):
 
 
 def test_shy_says_when_it_does_not_know():
-    from selfplay.game import PAPERS_SHORT, REVIEWERS
+    from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS
 
     _, (r, p) = _known_and_unknown(1)
     reply = _shy_reply(f"What is {REVIEWERS[r]}'s score on {PAPERS_SHORT[p]}?")
@@ -166,7 +172,7 @@ def test_shy_strict_rejects_what_shy_accepts_between_its_two_bars():
 
 
 def _named(pairs):
-    from selfplay.game import PAPERS_SHORT, REVIEWERS
+    from selfplay.game.matching.rules import PAPERS_SHORT, REVIEWERS
 
     return [(REVIEWERS[r], PAPERS_SHORT[p]) for r, p in sorted(pairs, key=lambda x: x[1])]
 

@@ -20,6 +20,7 @@ from selfplay.generate.rollout import (
     training_plan,
 )
 from selfplay.metrics import summarize
+from selfplay.players.partners import ScriptedPartner
 from selfplay.records import GameRecord, ReadReport, append_records, iter_game_records
 from tests.toy_game import SUM, SumScenario
 
@@ -49,7 +50,8 @@ def _play(policy: str, partner: str, num_games: int = 6) -> list[GameRecord]:
 
 def test_the_rollout_path_records_and_metrics_play_the_second_game(registered, tmp_path):
     records = _play("teller", "teller")
-    assert [r.game for r in records] == ["sum"] * 6
+    assert [r.game for r in records] == [SUM] * 6  # the game itself, stored as its name
+    assert records[0].model_dump(mode="json")["game"] == "sum"
     assert all(isinstance(r.scenario, SumScenario) for r in records)
     assert [r.reward for r in records] == [1.0] * 6  # tellers find the exact sum
     path = tmp_path / "games.jsonl"
@@ -77,7 +79,7 @@ def test_records_of_a_game_no_longer_registered_are_skipped_by_name(registered, 
 
 def test_the_config_takes_the_game_and_its_sizes(registered, tmp_path):
     base = dict(out=tmp_path, num_games=2, model="m")
-    assert GenerateConfig(**base, game="sum", table_size=1).game == "sum"
+    assert GenerateConfig(**base, game="sum", table_size=1).game is SUM
     with pytest.raises(ValidationError, match=r"table_size\n.*the sum game's sizes are 1 to 5"):
         GenerateConfig(**base, game="sum", table_size=8)
     with pytest.raises(ValidationError, match=r"game\n.*unknown game 'chess'; known games"):
@@ -88,12 +90,17 @@ def test_the_config_takes_the_game_and_its_sizes(registered, tmp_path):
 
 def test_a_scripted_partner_is_one_of_the_games_own_players(registered, tmp_path):
     base = dict(out=tmp_path, num_games=2, model="m", game="sum", table_size=2)
-    assert GenerateConfig(**base, partner="scripted:teller").partner == "teller"
+    config = GenerateConfig(**base, partner="scripted:teller")
+    assert config.partner == ScriptedPartner("teller")  # parsed once, by the config
+    assert config.model_dump(mode="json")["partner"] == "teller"  # stored canonical
+    assert GenerateConfig.model_validate_json(config.model_dump_json()) == config
     with pytest.raises(
         ValidationError, match=r"'shy' is not a scripted policy \(teller, guesser\)"
     ):
         GenerateConfig(**base, partner="shy")
-    seats = seating(scripted_seat("teller", SUM), "guesser", policy_seat=2, game=SUM)
+    seats = seating(
+        scripted_seat("teller", SUM), ScriptedPartner("guesser"), policy_seat=2, game=SUM
+    )
     one, two = seats.players(SUM.new_scenario(0, 2), seed=0)
     assert (one.config.name, two.config.name) == ("guesser", "teller")
 
@@ -146,7 +153,7 @@ def test_the_second_game_gets_teacher_games_and_a_warm_start(registered, tiny_mo
     )  # fmt: skip
     _, sources = build_rows(cfg, load_chat_format(str(tiny_model)))
     records = list(iter_game_records(cfg.data_dir / "games.jsonl"))
-    assert [r.game for r in records] == ["sum"] * 5
+    assert [r.game.name for r in records] == ["sum"] * 5
     assert [r.seats[0].name for r in records] == ["teller"] * 3 + ["guesser"] * 2
     assert len({r.scenario_id for r in records}) == 5  # the second source starts where one ended
     assert sources == {"teacher scripted:teller": 6, "teacher scripted:guesser": 4}

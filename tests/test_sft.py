@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from selfplay.cli import app
-from selfplay.game import MATCHING
+from selfplay.game.matching import MATCHING
 from selfplay.generate.teacher import teacher_seed
 from selfplay.iterate.sft import SFTConfig, build_rows
 from selfplay.players.llm import load_chat_format

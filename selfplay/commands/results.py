@@ -74,9 +74,10 @@ def eval_cmd(
                 "--num-scenarios, --partner, --baselines and --cross-play need --models or --run"
             )
         from selfplay.evaluate.scripted import run_scripted_pair, scripted_table
+        from selfplay.game import get_game
 
         pair = run_scripted_pair(
-            opts["game"],
+            get_game(opts["game"]),
             players or "cooperative,cooperative",
             num_games=num_games or 200,
             n=opts["table_size"],

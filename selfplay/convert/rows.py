@@ -133,7 +133,7 @@ def rows_of_record(record: GameRecord, config: ConvertConfig) -> RecordRows:
         record.scenario_id,
         record.round,
         GameResult.of_record(record, _finite(record.reward)),
-        game_kind(record.game, record.scenario),
+        game_kind(record.game.name, record.scenario),
     )
     seats = (
         (seat, _seat_lists(t, record.seats[seat]))

@@ -9,7 +9,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,11 +28,11 @@ from selfplay.engines import (
 )
 from selfplay.errors import UserError
 from selfplay.fileio import atomic_write
-from selfplay.game import DEFAULT_GAME, game_of, get_game
+from selfplay.game import game_of
 from selfplay.generate.config import PlayOptions
 from selfplay.hardware import ComputeDtype
 from selfplay.metrics import GameSummary
-from selfplay.players.partners import PartnerOptions
+from selfplay.players.partners import PartnerOptions, SelfPlay
 from selfplay.records import SamplingParams
 from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
@@ -146,7 +146,9 @@ class EvalConfig(PartnerOptions, PlayOptions):
     @field_validator("baselines")
     @classmethod
     def _baselines_known(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...]:
-        game = game_of(info) or get_game(DEFAULT_GAME)
+        game = game_of(info)
+        if game is None:  # the game was refused, and said so
+            return v
         if v is None:
             return game.baselines
         return tuple(_scripted_name(b, game.scripted_names) for b in v)
@@ -178,7 +180,7 @@ class EvalConfig(PartnerOptions, PlayOptions):
                 "games_per_scenario: several games per scenario only differ when sampled; "
                 "set a temperature above 0 or play 1 game per scenario"
             )
-        if self.cross_play and self.partner is not None:
+        if self.cross_play and not isinstance(self.partner, SelfPlay):
             raise ValueError(
                 "cross_play: cross-play pairs the models with each other; drop the partner"
             )
@@ -230,8 +232,9 @@ class EvalRow(BaseModel):
 
     name: str
     kind: Kind
+    # who sat where, numbered as the records number seats (0 moves first), as the metrics' seat0
+    seat0: str
     seat1: str
-    seat2: str
     model: str | None = None  # the resolved model path of a model row
     error: str | None = None
     source: str | None = None  # where a human row's numbers come from
@@ -252,6 +255,19 @@ class EvalRow(BaseModel):
     general_questions_per_game: float | None = None
     outcomes: dict[str, int] = {}
     seconds: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _seats_numbered_from_one(cls, data: Any) -> Any:
+        """An eval.json written before the seats were numbered from 0 (``seat1``, ``seat2``)
+        reads as today's (``seat0``, ``seat1``)."""
+        if isinstance(data, dict) and "seat2" in data and "seat0" not in data:
+            first, second = data.get("seat1"), data["seat2"]
+            data = {k: v for k, v in data.items() if k != "seat2"} | {
+                "seat0": first,
+                "seat1": second,
+            }
+        return data
 
 
 # metrics.summarize keys without a column in the table, on purpose: per-seat question counts and

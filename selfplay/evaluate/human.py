@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from selfplay.evaluate.config import EvalError, EvalRow
-from selfplay.game import DialogueGame
+from selfplay.game.api import DialogueGame
 from selfplay.metrics import mean_ci
 
 HUMAN_DATA_ENV = "SELFPLAY_HUMAN_DATA"
@@ -28,7 +28,7 @@ def human_reference(game: DialogueGame, path: str | Path | None = None) -> EvalR
     if human is None:
         return None
     file = Path(path or os.environ.get(HUMAN_DATA_ENV) or human.default_path)
-    base = {"name": human_label(game), "kind": "human", "seat1": "human", "seat2": "human"}
+    base = {"name": human_label(game), "kind": "human", "seat0": "human", "seat1": "human"}
     if not file.is_file():
         return EvalRow(
             **base,

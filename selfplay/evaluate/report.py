@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 
 from selfplay.evaluate.config import CrossPlay, EvalResult, EvalRow
 from selfplay.fileio import atomic_write, refuse_link
+from selfplay.players.partners import stored_partner
 
 COLORS = {"model": "tab:blue", "baseline": "tab:gray", "human": "tab:green"}
 
@@ -67,7 +68,7 @@ COLUMNS = (
 def row_cells(r: EvalRow) -> list[str]:
     return [
         f"{r.name} ({r.kind})",
-        f"{r.seat1} + {r.seat2}",
+        f"{r.seat0} + {r.seat1}",
         str(r.games),
         reward_cell(r),
         _f(r.agreement_rate),
@@ -129,6 +130,7 @@ def plot_cross_play(cross: CrossPlay, path: Path) -> Path:
 def markdown(result: EvalResult, plots: dict[str, Path]) -> str:
     cfg = result.config
     s = cfg.sampling
+    partner = stored_partner(cfg.partner)  # None: self-play
     lines = [
         "# selfplay eval",
         "",
@@ -137,7 +139,7 @@ def markdown(result: EvalResult, plots: dict[str, Path]) -> str:
         f"{cfg.games_per_scenario} game(s) per scenario, temperature {s.temperature}"
         + (" (greedy)" if s.temperature == 0 else f", top-p {s.top_p}")
         + f", at most {cfg.max_actions} actions. Seat 2: "
-        + (f"scripted `{cfg.partner}`." if cfg.partner else "the same policy (self-play).")
+        + (f"scripted `{partner}`." if partner else "the same policy (self-play).")
         + f" Models on the {cfg.engine.kind if cfg.engine else 'hf'} engine."
         + f" {result.seconds:.0f} s.",
         "",

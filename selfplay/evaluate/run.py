@@ -70,7 +70,6 @@ from selfplay.evaluate.config import (
     summary_fields,
 )
 from selfplay.evaluate.human import comparable, human_reference
-from selfplay.game import get_game
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -85,6 +84,7 @@ from selfplay.generate.rollout import (
 from selfplay.manifest import read_manifest
 from selfplay.metrics import summarize
 from selfplay.players.llm import ChatFormat, load_chat_format
+from selfplay.players.partners import stored_partner
 from selfplay.records import GameRecord, append_records
 from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
@@ -140,7 +140,7 @@ class _Evaluation:
         self.plan = eval_plan(
             config.seed, config.num_scenarios, config.games_per_scenario, config.split
         )
-        self.game = get_game(config.game)
+        self.game = config.game
         self.scenarios = Scenarios(config.table_size, keep=True, game=self.game)  # every row
         self.games_dir = config.out / "games" if config.out is not None else None
         self.partner_client = None  # an API partner's client, shared by every row
@@ -224,12 +224,12 @@ class _Evaluation:
         return _Loaded(spec, path, engine, chat)
 
 
-def _row(name: str, kind: Kind, seat1: str, seat2: str, records, started: float, **extra):
+def _row(name: str, kind: Kind, seat0: str, seat1: str, records, started: float, **extra):
     return EvalRow(
         name=name,
         kind=kind,
+        seat0=seat0,
         seat1=seat1,
-        seat2=seat2,
         seconds=time.perf_counter() - started,
         **extra,
         **summary_fields(summarize(records)),
@@ -252,23 +252,22 @@ async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) ->
     rows: list[EvalRow] = []
     errors: dict[str, str] = {}
     kept: list[_Loaded] = []  # engines open now: the models held for cross-play, or the current
-    partner = config.partner
+    partner = stored_partner(config.partner)  # a row's name for it (None: self-play)
 
     def failed(label: str, names: tuple[str, str], model: str, msg: str) -> None:
         """A model's row when it could not be evaluated; the others still are."""
         log.error("%s", msg)
         errors[label] = msg
-        seat1, seat2 = names
+        seat0, seat1 = names
         rows.append(
-            EvalRow(name=label, kind="model", seat1=seat1, seat2=seat2, model=model, error=msg)
+            EvalRow(name=label, kind="model", seat0=seat0, seat1=seat1, model=model, error=msg)
         )
 
     try:
         await ev.prepare()
         for spec in config.models:
             t0 = time.perf_counter()
-            seat2_name = partner or spec.label
-            names = _ordered((spec.label, seat2_name), config)
+            names = _ordered((spec.label, partner or spec.label), config)
 
             try:
                 lm = await ev.load(spec)
@@ -302,7 +301,7 @@ async def run_eval_async(config: EvalConfig, *, engine: Engine | None = None) ->
         for lm in kept:
             await lm.engine.aclose()
         await ev.aclose()
-    game = get_game(config.game)
+    game = config.game
     if comparable(game, config.table_size):  # humans played this size: their row compares
         rows.append(human_reference(game, config.human_data))
     elif game.human is not None:
@@ -352,8 +351,8 @@ async def _cross_play(
                     EvalRow(
                         name=name,
                         kind="cross",
-                        seat1=a.spec.label,
-                        seat2=b.spec.label,
+                        seat0=a.spec.label,
+                        seat1=b.spec.label,
                         error=errors[name],
                     )
                 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from selfplay.evaluate.config import EvalError
 from selfplay.fileio import atomic_write
-from selfplay.game import DialogueGame, get_game
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID, DialogueGame
 from selfplay.generate.rollout import (
     GameSpec,
     Scenarios,
@@ -30,8 +30,8 @@ def play_scripted(
     num_games: int,
     seed: int,
     n: int = 8,
-    max_actions: int = 30,
-    max_invalid: int = 3,
+    max_actions: int = MAX_ACTIONS,
+    max_invalid: int = MAX_INVALID,
     split: str = "dev",
 ) -> list[GameRecord]:
     """Play ``num_games`` games of two of ``game``'s scripted policies, one fresh held-out scenario
@@ -90,8 +90,8 @@ def evaluate_scripted(
     num_games: int,
     seed: int,
     n: int = 8,
-    max_actions: int = 30,
-    max_invalid: int = 3,
+    max_actions: int = MAX_ACTIONS,
+    max_invalid: int = MAX_INVALID,
     split: str = "dev",
 ) -> ScriptedPair:
     """The summary (see metrics.summarize) of ``play_scripted``'s games, with the pair."""
@@ -111,11 +111,10 @@ def scripted_pair(text: str, names: Sequence[str]) -> tuple[str, str]:
 
 
 def run_scripted_pair(
-    game_name: str, players: str, *, out: Path | None = None, **options
+    game: DialogueGame, players: str, *, out: Path | None = None, **options
 ) -> ScriptedPair:
     """``selfplay eval --players A,B``: the pair's games summarised (``evaluate_scripted``'s
     options), its JSON written to ``out`` when given."""
-    game = get_game(game_name)
     pair = evaluate_scripted(game, scripted_pair(players, game.scripted_names), **options)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,55 +2,25 @@
 
 Pure rules: no I/O, no engines, no torch. ``api.DialogueGame`` is the interface;
 ``conformance.check_game(game)`` is the check every game must pass; ``GAMES`` names the games
-there are and ``get_game(name)`` picks one. The matching game's own names stay exported here.
+there are and ``get_game(name)`` picks one. This package exports the registry only: the
+interface is ``selfplay.game.api``'s, the matching game's own names ``selfplay.game.matching``'s.
+
+A name becomes a game in one place: ``GameField``, the type of every config's and record's
+``game`` field, validates a name into the game object once and serialises it back to the name, so
+a config sent to a child process as JSON, or stored in a manifest, reads back equal. Code past
+the CLI and the configs uses ``config.game`` as the object and never looks a name up again.
 """
 
 from typing import Annotated
 
-from pydantic import AfterValidator, ValidationInfo
+from pydantic import PlainSerializer, PlainValidator, ValidationInfo, WithJsonSchema
 
 from selfplay.errors import UserError
-from selfplay.game.api import DialogueGame, GameOverError, Outcome
-from selfplay.game.matching import (
-    MATCHING,
-    MATCHING_ADVICE,
-    MATCHING_ADVICE_CAP2,
-    MATCHING_CAP2,
-    MATCHING_GAPS,
-    MATCHING_LINES,
-    MATCHING_NOTES,
-    MATCHING_RANKED,
-    MATCHING_SHORT,
-)
-from selfplay.game.matching.rules import (
-    PAPERS,
-    PAPERS_SHORT,
-    REVIEWERS,
-    ProposalError,
-    Scenario,
-    best_assignment,
-    generate_scenario,
-    parse_proposal,
-    scenario_from_arrays,
-    score_assignment,
-)
-from selfplay.game.matching.turns import Action, Game, StepResult
+from selfplay.game.api import DialogueGame
+from selfplay.game.matching import MATCHING, VIEWS
 
 # Adding a game: a module with its DialogueGame (see api.py) that passes check_game, one line here.
-GAMES: dict[str, DialogueGame] = {
-    game.name: game
-    for game in (
-        MATCHING,
-        MATCHING_LINES,
-        MATCHING_RANKED,
-        MATCHING_SHORT,
-        MATCHING_GAPS,
-        MATCHING_NOTES,
-        MATCHING_ADVICE,
-        MATCHING_CAP2,
-        MATCHING_ADVICE_CAP2,
-    )
-}
+GAMES: dict[str, DialogueGame] = {game.name: game for game in (*VIEWS,)}  # matching's views
 DEFAULT_GAME = MATCHING.name  # what records written before GameRecord.game (schema 1) hold
 
 
@@ -109,54 +79,47 @@ def get_game(name: str) -> DialogueGame:
     return game
 
 
-def _known(name: str) -> str:
-    get_game(name)  # UnknownGameError is a ValueError: pydantic reports it on the field
-    return name
+def _resolve(value: object) -> DialogueGame:
+    """A game field's validator: a name -> its game (``UnknownGameError``, a ValueError, so
+    pydantic reports it on the field), a registered game -> itself (a config built from another
+    config's values)."""
+    if isinstance(value, str):
+        return get_game(value)
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and lookup_game(name) is value:
+        return value  # type: ignore[return-value]  # registered under its name: a game
+    known = ", ".join(sorted(GAMES))
+    raise UnknownGameError(f"a game is named by a string ({known}), not {value!r}")
 
 
-GameName = Annotated[str, AfterValidator(_known)]  # a config or record field naming a game
+def _name(game: DialogueGame) -> str:
+    return game.name
+
+
+# A config or record field holding a game: given its name (or the game), holds the game, stored
+# as the name (model_dump in both modes, JSON schema: a string).
+GameField = Annotated[
+    DialogueGame,
+    PlainValidator(_resolve),
+    PlainSerializer(_name, return_type=str),
+    WithJsonSchema({"type": "string"}),
+]
 
 
 def game_of(info: ValidationInfo) -> DialogueGame | None:
-    """In a field validator: the game named by the model's ``game`` field (declared, so validated,
+    """In a field validator: the game of the model's ``game`` field (declared, so validated,
     before the field at hand); None when the model has no such field or refused its value."""
-    name = info.data.get("game")
-    return None if name is None else GAMES.get(name)  # a field validator ran get_game already
+    return info.data.get("game")
 
 
-__all__ = [
+__all__ = [  # the registry only
     "DEFAULT_GAME",
     "ENTRY_POINT_GROUP",
     "GAMES",
-    "MATCHING",
-    "MATCHING_ADVICE",
-    "MATCHING_ADVICE_CAP2",
-    "MATCHING_CAP2",
-    "MATCHING_GAPS",
-    "MATCHING_LINES",
-    "MATCHING_NOTES",
-    "MATCHING_RANKED",
-    "MATCHING_SHORT",
-    "PAPERS",
-    "PAPERS_SHORT",
-    "REVIEWERS",
-    "Action",
     "BrokenGameError",
-    "DialogueGame",
-    "Game",
-    "GameName",
-    "GameOverError",
-    "Outcome",
-    "ProposalError",
-    "Scenario",
-    "StepResult",
+    "GameField",
     "UnknownGameError",
-    "best_assignment",
     "game_of",
-    "generate_scenario",
     "get_game",
     "lookup_game",
-    "parse_proposal",
-    "scenario_from_arrays",
-    "score_assignment",
 ]

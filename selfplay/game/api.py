@@ -1,8 +1,9 @@
 """The game interface: what the rest of selfplay may assume about a two-seat dialogue game.
 
-A game is an object satisfying ``DialogueGame``; the matching game is ``selfplay.game.MATCHING``
-and ``selfplay.game.get_game(name)`` looks games up by name. ``selfplay.game.conformance.
-check_game(game)`` checks a game against the contract below; every game must pass it.
+A game is an object satisfying ``DialogueGame``; the matching game is
+``selfplay.game.matching.MATCHING`` and ``selfplay.game.get_game(name)`` looks games up by name.
+``selfplay.game.conformance.check_game(game)`` checks a game against the contract below; every
+game must pass it.
 
 Contract (one line each):
 
@@ -41,6 +42,10 @@ from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from selfplay.seats import Player
+
+# The default limits of a game, declared once: every config, player and check takes these.
+MAX_ACTIONS = 30  # actions per game; a game that reaches it ends unagreed (Outcome.MAX_ACTIONS)
+MAX_INVALID = 3  # consecutive invalid actions of one seat that end a game (Outcome.INVALID)
 
 QuestionKind = Literal["direct", "general", "none"]
 QUESTION_KINDS: tuple[QuestionKind, ...] = ("direct", "general", "none")
@@ -133,7 +138,9 @@ class DialogueGame(Protocol, Generic[S]):
 
     def new_scenario(self, seed: int, size: int) -> S: ...
 
-    def new_game(self, scenario: S, *, max_actions: int = 30, max_invalid: int = 3) -> Rules[S]: ...
+    def new_game(
+        self, scenario: S, *, max_actions: int = MAX_ACTIONS, max_invalid: int = MAX_INVALID
+    ) -> Rules[S]: ...
 
     def intro(self, scenario: S, seat: int) -> str: ...
 

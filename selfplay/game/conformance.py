@@ -24,7 +24,15 @@ from typing import Any, NoReturn
 
 import orjson
 
-from selfplay.game.api import QUESTION_KINDS, DialogueGame, GameOverError, Outcome, Rules
+from selfplay.game.api import (
+    MAX_ACTIONS,
+    MAX_INVALID,
+    QUESTION_KINDS,
+    DialogueGame,
+    GameOverError,
+    Outcome,
+    Rules,
+)
 
 MEMBERS = (
     "name",
@@ -65,8 +73,8 @@ def check_game(
     *,
     seeds: Iterable[int] = range(3),
     sizes: Sequence[int] | None = None,
-    max_actions: int = 30,
-    max_invalid: int = 3,
+    max_actions: int = MAX_ACTIONS,
+    max_invalid: int = MAX_INVALID,
 ) -> None:
     """Check ``game`` against the interface's contract; raise ConformanceError on the first fault.
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of
+from selfplay.game import DEFAULT_GAME, GAMES, GameField, game_of
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID
 from selfplay.players import partners
 from selfplay.records import SamplingParams
 
@@ -56,21 +57,23 @@ class PlayOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    game: GameName = Field(
-        DEFAULT_GAME, description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game)."
+    game: GameField = Field(
+        DEFAULT_GAME,
+        validate_default=True,
+        description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game).",
     )
     table_size: int = Field(
         8,
         description=SIZE_HELP,
     )
     max_actions: int = Field(
-        30,
+        MAX_ACTIONS,
         ge=1,
         description="Actions per game; a game that reaches it ends unagreed.",
         json_schema_extra={"envvar": "MAX_LENGTH"},
     )
     max_invalid: int = Field(
-        3, ge=1, description="Consecutive invalid actions of one seat that end a game."
+        MAX_INVALID, ge=1, description="Consecutive invalid actions of one seat that end a game."
     )
 
     @field_validator("table_size")

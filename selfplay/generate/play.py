@@ -13,8 +13,7 @@ import logging
 import time
 
 from selfplay.errors import EngineFailure
-from selfplay.game import DialogueGame, Outcome
-from selfplay.game.api import Rules
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID, DialogueGame, Outcome, Rules
 from selfplay.players import Player
 from selfplay.records import ActionRecord, GameRecord
 
@@ -30,8 +29,8 @@ async def play_game(
     game_id: str,
     seed: int,
     round: int = 0,
-    max_actions: int = 30,
-    max_invalid: int = 3,
+    max_actions: int = MAX_ACTIONS,
+    max_invalid: int = MAX_INVALID,
     game: DialogueGame,
 ) -> GameRecord:
     """Run one game of ``game`` on ``scenario`` (one of its scenarios) to its end and return its
@@ -63,7 +62,7 @@ async def play_game(
         round=round,
         error=error,
         seconds=time.perf_counter() - start,
-        game=game.name,
+        game=game.name,  # the record holds the registered game of that name
     )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfplay.engines import Engine
-from selfplay.game import DialogueGame
+from selfplay.game.api import DialogueGame
 from selfplay.generate.play import play_game
 from selfplay.players import Player
 from selfplay.players.api import ApiPartner, PartnerClient
@@ -46,7 +46,6 @@ from selfplay.players.partners import (
     PartnerSpec,
     ScriptedPartner,
     SelfPlay,
-    parse_partner,
     policy_seat_index,
 )
 from selfplay.records import GameRecord, SamplingParams
@@ -181,21 +180,18 @@ class Seating:
 
 def seating(
     policy: SeatFactory,
-    partner: PartnerSpec | str | None = None,
+    partner: PartnerSpec = SelfPlay(),
     *,
     policy_seat: int = 1,
     partner_client: PartnerClient | None = None,
     game: DialogueGame,
 ) -> Seating:
-    """The seating of ``policy`` across a partner spec (or its text, see ``parse_partner``).
+    """The seating of ``policy`` across a partner spec (a config's ``partner``).
 
     An ``openai:MODEL`` partner needs ``partner_client``: every game's API seat shares it (its
     concurrency, reply cache and call cap); the caller opens and closes it.
     """
-    spec = (
-        partner if isinstance(partner, PartnerSpec) else parse_partner(partner, game.scripted_names)
-    )
-    match spec:
+    match partner:
         case SelfPlay():
             return Seating(policy, None, policy_seat)
         case ScriptedPartner(name=name):

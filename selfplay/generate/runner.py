@@ -40,7 +40,6 @@ import orjson
 
 from selfplay.engines import Engine, EngineConfig, EngineFailure, LentEngine, open_engine
 from selfplay.fileio import folder_lock
-from selfplay.game import get_game
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import (
     _Writer,
@@ -177,7 +176,7 @@ def generate_seating(
         config.partner,
         policy_seat=config.policy_seat,
         partner_client=partner_client,
-        game=get_game(config.game),
+        game=config.game,
     )
 
 
@@ -226,7 +225,7 @@ async def generate_games(
     if progress:
         progress.start(stats)
     summary = Summary()  # this run's games as they finish; kept ones are read back at the end
-    scenarios = Scenarios(config.table_size, game=get_game(config.game))
+    scenarios = Scenarios(config.table_size, game=config.game)
     writer = _Writer(config.games_path)
 
     def finished(spec: GameSpec, record: GameRecord) -> None:

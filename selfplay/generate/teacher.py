@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from selfplay.game import DialogueGame
+from selfplay.game.api import MAX_INVALID, DialogueGame
 from selfplay.records import GameRecord, SeatConfig, iter_game_records
 
 SFT_SPACE = 0x5E1F_5F7A  # first word of the teacher games' scenario seeds (even, like training)
@@ -111,7 +111,9 @@ def play_teacher_games(
     async def run() -> list[GameRecord]:
         scenarios = Scenarios(table_size, game=game)
         try:
-            return await play_plan(plan, seating, scenarios, max_actions=max_actions, max_invalid=3)
+            return await play_plan(
+                plan, seating, scenarios, max_actions=max_actions, max_invalid=MAX_INVALID
+            )
         finally:
             scenarios.close()
 

@@ -20,6 +20,8 @@ from selfplay.engines import EngineConfig
 from selfplay.errors import UserError
 from selfplay.fileio import check_name
 from selfplay.game import DEFAULT_GAME, game_of
+from selfplay.game.api import DialogueGame
+from selfplay.game.matching import MATCHING
 from selfplay.generate.config import GenerateOptions
 from selfplay.train.config import TrainerOptions
 
@@ -192,7 +194,7 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         game = game_of(info)
         if v is not None and v.startswith("scripted:"):
             if game is not None:  # else: the game's own error is reported
-                parse_warm_start(v, game.name)
+                parse_warm_start(v, game)
         elif v is not None:  # a model: a mistyped directory fails here, before anything is kept
             from selfplay.models import ModelNotFound, check_weights, resolve_model
 
@@ -206,13 +208,11 @@ class IterateConfig(GenerateOptions, ConvertOptions):
 
     @model_validator(mode="after")
     def _warm_start_partner(self) -> IterateConfig:
-        from selfplay.game import get_game
-        from selfplay.players.partners import ScriptedPartner, parse_partner
+        from selfplay.players.partners import ScriptedPartner
 
         if self.warm_start_partner == "self":
             return self
-        partner = parse_partner(self.partner, get_game(self.game).scripted_names)
-        if not isinstance(partner, ScriptedPartner):
+        if not isinstance(self.partner, ScriptedPartner):
             raise ValueError(
                 "warm_start_partner: run plays the teacher against the run's --partner, which "
                 "must then be scripted:NAME; use self"
@@ -223,10 +223,9 @@ class IterateConfig(GenerateOptions, ConvertOptions):
     def _guide(self) -> IterateConfig:
         if self.guide is None:
             return self
-        from selfplay.game import get_game
-        from selfplay.players.partners import OpenAIPartner, parse_partner
+        from selfplay.players.partners import OpenAIPartner
 
-        game = get_game(self.game)
+        game = self.game
         kind, _, name = self.guide.partition(":")
         if kind != "scripted" or name not in game.scripted_names:
             raise ValueError(
@@ -237,7 +236,7 @@ class IterateConfig(GenerateOptions, ConvertOptions):
             raise ValueError(
                 "guide: guided groups are GRPO's; drop --guide or use --algorithm grpo"
             )
-        if isinstance(parse_partner(self.partner, game.scripted_names), OpenAIPartner):
+        if isinstance(self.partner, OpenAIPartner):
             raise ValueError("guide: a guide plays with a scripted partner or itself, not an API")
         return self
 
@@ -368,13 +367,12 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_warm_start(spec: str, game: str = DEFAULT_GAME) -> tuple[tuple[str, int], ...]:
+def parse_warm_start(spec: str, game: DialogueGame = MATCHING) -> tuple[tuple[str, int], ...]:
     """``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` -> ((NAME, GAMES), ...), NAME a scripted
     player of ``game``; ValueError naming the accepted forms."""
-    from selfplay.game import get_game
     from selfplay.generate.teacher import teacher_sources
 
     try:
-        return teacher_sources(spec, None, get_game(game).scripted_names)
+        return teacher_sources(spec, None, game.scripted_names)
     except ValueError as e:
         raise ValueError(f"warm start: {e}; or a model directory") from None

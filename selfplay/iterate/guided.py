@@ -26,7 +26,6 @@ import logging
 from collections.abc import Iterable
 
 from selfplay.fileio import atomic_write
-from selfplay.game import get_game
 from selfplay.iterate.config import IterateConfig
 from selfplay.manifest import ConvertInfo
 from selfplay.records import GameRecord, dump_record, iter_game_records
@@ -48,10 +47,10 @@ def guide_games(
     """The guide games of round ``k`` for the scenarios of ``records`` (in their order)."""
     from selfplay.generate.play import play_game
     from selfplay.generate.rollout import Seating, scripted_seat
-    from selfplay.players.partners import ScriptedPartner, parse_partner
+    from selfplay.players.partners import ScriptedPartner
     from selfplay.players.teacher import TeacherPlayer
 
-    game = get_game(cfg.game)
+    game = cfg.game
     guide = cfg.guide.split(":", 1)[1]  # checked by the config: scripted:NAME
 
     def teacher(scenario, seat: int, seed: int):
@@ -59,7 +58,7 @@ def guide_games(
             game.scripted(guide, scenario, seat, seed=derive_seed(seed, seat)), chat
         )
 
-    partner = parse_partner(cfg.partner, game.scripted_names)
+    partner = cfg.partner
     other = scripted_seat(partner.name, game) if isinstance(partner, ScriptedPartner) else None
     seating = Seating(teacher, other, cfg.policy_seat)
     scenarios: dict[str, tuple[object, list[float]]] = {}

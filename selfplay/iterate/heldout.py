@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from selfplay.game import get_game
 from selfplay.generate.config import PlayOptions
 from selfplay.iterate.child import StageChild, _hold, isolated
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.manifest import HeldoutInfo, Manifest, StageRecord, WarmStartInfo
 from selfplay.metrics import HeldOut
-from selfplay.players.partners import PartnerOptions
+from selfplay.players.partners import PartnerOptions, stored_partner
 from selfplay.records import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -28,9 +27,7 @@ def warm_start_config(cfg: IterateConfig):
     assert cfg.warm_start is not None  # its form was checked by the config
     against = {}
     if cfg.warm_start_partner == "run":  # the teacher in the model's seat, the run's partner
-        from selfplay.players.partners import parse_partner
-
-        partner = parse_partner(cfg.partner, get_game(cfg.game).scripted_names)
+        partner = cfg.partner  # a ScriptedPartner: checked by the config
         against = {"partner": f"scripted:{partner.name}", "clone": str(cfg.policy_seat)}
     return SFTConfig(
         model=cfg.model,
@@ -100,7 +97,7 @@ def eval_config(
         seed=cfg.eval_seed,
         split=split,
         sampling=SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens),
-        baselines=get_game(cfg.game).heldout_baselines if baselines else (),
+        baselines=cfg.game.heldout_baselines if baselines else (),
         engine=cfg.engine,
         out=out,
         **cfg.model_dump(include=set(PlayOptions.model_fields) | set(PartnerOptions.model_fields)),
@@ -172,7 +169,7 @@ def heldout_recorded(cfg: IterateConfig, k: int | None, model: str, result: Held
             "scenarios": cfg.eval_scenarios,
             "table_size": cfg.table_size,
             "eval_seed": cfg.eval_seed,
-            "partner": cfg.partner,
+            "partner": stored_partner(cfg.partner),
             **result.model_dump(
                 include={"reward_mean", "reward_ci_low", "reward_ci_high", "agreement_rate"}
             ),

@@ -22,8 +22,8 @@ from selfplay.evaluate.human import comparable, human_label
 from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
 from selfplay.fileio import atomic_write
-from selfplay.game import DEFAULT_GAME, DialogueGame, get_game
-from selfplay.manifest import MANIFEST_FILE, Manifest, read_manifest
+from selfplay.game.api import DialogueGame
+from selfplay.manifest import MANIFEST_FILE, Manifest, RunSettings, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def write_report(
     rows = read_metrics(run_dir)
     manifest = _run_manifest(run_dir)
     n = n or (manifest.settings.table_size if manifest else 8)
-    game = get_game(manifest.settings.game if manifest else DEFAULT_GAME)
+    game = (manifest.settings if manifest else RunSettings()).game
     if not game.min_size <= n <= game.max_size:
         raise ReportError(
             f"--table-size {n}: the {game.name} game's sizes are {game.min_size} to {game.max_size}"

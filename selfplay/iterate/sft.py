@@ -39,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from selfplay.convert import ConvertConfig, rows_table
 from selfplay.errors import UserError
 from selfplay.fileio import refuse_link
-from selfplay.game import DEFAULT_GAME, GAMES, GameName, game_of, get_game
+from selfplay.game import DEFAULT_GAME, GAMES, GameField, game_of
+from selfplay.game.api import MAX_ACTIONS
 from selfplay.generate.config import SIZE_HELP, size_of_the_game
 from selfplay.generate.teacher import (
     HumanReplay,
@@ -81,8 +82,10 @@ class SFTConfig(BaseModel):
 
     model: str = Field(description="The model to fine-tune (HF directory or id).")
     out: Path = Field(description="Output: the new HF model dir, metrics.json, sft_data/.")
-    game: GameName = Field(
-        DEFAULT_GAME, description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game)."
+    game: GameField = Field(
+        DEFAULT_GAME,
+        validate_default=True,
+        description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game).",
     )
     # sources
     teacher: str | None = Field(
@@ -101,7 +104,7 @@ class SFTConfig(BaseModel):
     )
     num_games: int = Field(1000, ge=1, description="teacher: games to play and clone.")
     table_size: int = Field(3, description=SIZE_HELP)
-    max_actions: int = Field(30, ge=1, description="teacher: actions per game at most.")
+    max_actions: int = Field(MAX_ACTIONS, ge=1, description="teacher: actions per game at most.")
     games: Path | None = Field(
         None, description="Clone our own games: a games.jsonl (filtered by --min-reward)."
     )
@@ -146,13 +149,13 @@ class SFTConfig(BaseModel):
     def _sources(self) -> SFTConfig:
         if self.teacher is None and self.games is None and self.human_data is None:
             raise ValueError("give at least one source: teacher, games or human_data")
-        names = get_game(self.game).scripted_names
+        names = self.game.scripted_names
         if self.teacher is not None:
             teacher_sources(self.teacher, self.num_games, names)
         if self.partner is not None:
             scripted_name(self.partner, names)
-        if self.human_data is not None and get_game(self.game).human is None:
-            raise ValueError(f"human_data: the {self.game} game has no recorded human games")
+        if self.human_data is not None and self.game.human is None:
+            raise ValueError(f"human_data: the {self.game.name} game has no recorded human games")
         return self
 
     @property
@@ -187,7 +190,7 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         games_path = data / "games.jsonl"
         games_path.unlink(missing_ok=True)
         first = 0
-        game = get_game(config.game)
+        game = config.game
         for name, num_games in teacher_sources(
             config.teacher, config.num_games, game.scripted_names
         ):
@@ -218,7 +221,7 @@ def build_rows(config: SFTConfig, chat) -> tuple[Path, dict[str, int]]:
         add(f"games {config.games} (reward >= {config.min_reward})", kept)
     if config.human_data is not None:
         stats = HumanReplay()
-        records = list(human_records(get_game(config.game), config.human_data, chat, stats))
+        records = list(human_records(config.game, config.human_data, chat, stats))
         human_path = data / "human_games.jsonl"
         human_path.unlink(missing_ok=True)
         append_records(human_path, records)

@@ -14,7 +14,6 @@ import logging
 import time
 from pathlib import Path
 
-from selfplay.game import get_game
 from selfplay.iterate.child import isolated
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.iterate.heldout import eval_config, held_out
@@ -68,7 +67,7 @@ def test_stage(
     log.info(
         "test split: %s and %d baselines on %d scenarios (played once)",
         ", ".join(models),
-        len(get_game(cfg.game).heldout_baselines),
+        len(cfg.game.heldout_baselines),
         cfg.test_scenarios,
     )
     rows, rss = isolated(_test_eval, cfg, models, out)

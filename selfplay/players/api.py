@@ -44,7 +44,6 @@ from selfplay.players.partners import (
     DEFAULT_KEY_ENV,
     OpenAIPartner,
     PartnerOptions,
-    parse_partner,
 )
 from selfplay.records import (
     SamplingParams,
@@ -241,10 +240,7 @@ def api_partner_config(
 ) -> ApiPartnerConfig | None:
     """The API partner of a run's partner options (None for self-play and scripted partners);
     its cache and usage files go in ``out`` (None: an in-memory cache only)."""
-    from selfplay.game import get_game
-
-    game = get_game(options.game)
-    spec = parse_partner(options.partner, game.scripted_names)
+    game, spec = options.game, options.partner
     if not isinstance(spec, OpenAIPartner):
         return None
     if game.partner_persona is None:

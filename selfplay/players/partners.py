@@ -6,6 +6,10 @@ and snapshots: ``None`` for self-play, the bare scripted name (``"shy"``, as bef
 existed, so older run folders still resume) or ``"openai:MODEL"``. A bare scripted name is
 accepted as an alias of ``scripted:NAME``.
 
+``PartnerField`` is the type of a config's ``partner``: it parses the text once, against the
+config's ``game`` (declared before it), holds the spec, and is stored in the canonical form; so
+code past the configs matches on ``config.partner`` and never parses it again.
+
 The ``check_*`` helpers are the field validators shared by every config that carries partner
 options (generate, iterate, eval); each raises a ``ValueError`` that says how to fix the option.
 An API key is never an option: only the *name* of the environment variable that holds it.
@@ -16,9 +20,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -79,7 +92,13 @@ def parse_partner(text: str | None, scripted_names: Sequence[str]) -> PartnerSpe
 
 def canonical_partner(text: str | None, scripted_names: Sequence[str]) -> str | None:
     """The stored form: None (self-play), a bare scripted name, or ``openai:MODEL``."""
-    match parse_partner(text, scripted_names):
+    return stored_partner(parse_partner(text, scripted_names))
+
+
+def stored_partner(spec: PartnerSpec) -> str | None:
+    """A spec's stored (canonical) form: None (self-play), a bare scripted name, ``openai:MODEL``;
+    ``parse_partner`` reads it back to an equal spec."""
+    match spec:
         case SelfPlay():
             return None
         case ScriptedPartner(name=name):
@@ -88,25 +107,47 @@ def canonical_partner(text: str | None, scripted_names: Sequence[str]) -> str | 
             return f"openai:{model}"
 
 
+def _resolve_partner(value: Any, info: ValidationInfo) -> Any:
+    """A partner field's validator: a spec stays, a text is parsed against the game of the model
+    (its ``game`` field); where the game was refused (it says so) the value is left as it is."""
+    if isinstance(value, SelfPlay | ScriptedPartner | OpenAIPartner):
+        return value
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"a partner is {PARTNER_FORMS}, not {value!r}")
+    from selfplay.game import game_of
+
+    game = game_of(info)
+    return value if game is None else parse_partner(value, game.scripted_names)
+
+
+# A config field holding the partner spec; given as text (or a spec), stored canonical.
+PartnerField = Annotated[
+    PartnerSpec,
+    PlainValidator(_resolve_partner),
+    PlainSerializer(stored_partner, return_type=str | None),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "null"}]}),
+]
+
+
 def policy_seat_index(policy_seat: int) -> int:
     """``--policy-seat 1|2`` -> the seat index the model plays (0 moves first)."""
     return policy_seat - 1
 
 
-# -- shared field validators (values arrive canonicalised; ``partner`` is validated first) --------
+# -- shared field validators (``partner`` is validated first, into its spec) ---------------------
 
 
-def check_policy_seat(policy_seat: int, partner: str | None) -> int:
-    if policy_seat != 1 and partner is None:  # canonical None: self-play
+def check_policy_seat(policy_seat: int, partner: PartnerSpec) -> int:
+    if policy_seat != 1 and isinstance(partner, SelfPlay):
         raise ValueError(
             "the model plays both seats in self-play; --policy-seat 2 needs a --partner"
         )
     return policy_seat
 
 
-def check_api_only(value, partner: str | None, option: str):
+def check_api_only(value, partner: PartnerSpec, option: str):
     """Options that only mean something for an ``openai:MODEL`` partner."""
-    if value is not None and not (partner or "").startswith("openai:"):  # canonical form
+    if value is not None and not isinstance(partner, OpenAIPartner):
         raise ValueError(
             f"{option} is for openai:MODEL partners; drop it or use --partner openai:MODEL"
         )
@@ -128,9 +169,10 @@ class PartnerOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # stored canonical (see above): None for self-play, a scripted name ("shy"), "openai:MODEL"
-    partner: str | None = Field(
+    # the spec; stored canonical (see above): None for self-play, a scripted name, "openai:MODEL"
+    partner: PartnerField = Field(
         None,
+        validate_default=True,
         description="Who plays the other seat: self (the default), scripted:NAME (cooperative, "
         "no-talk, shy, random, inquisitive; a bare NAME works too) or openai:MODEL (an "
         "OpenAI-compatible chat model, shy persona).",
@@ -159,26 +201,20 @@ class PartnerOptions(BaseModel):
         "included (a server that never answers, or drips, fails its game then).",
     )
 
-    @field_validator("partner")
-    @classmethod
-    def _known_partner(cls, v: str | None, info: ValidationInfo) -> str | None:
-        from selfplay.game import game_of
-
-        game = game_of(info)  # the game's own players (None: the game was refused, and said so)
-        return v if game is None else canonical_partner(v, game.scripted_names)
-
     @field_validator("policy_seat")
     @classmethod
     def _policy_seat(cls, v: int, info: ValidationInfo) -> int:
-        return check_policy_seat(v, info.data["partner"]) if "partner" in info.data else v
+        partner = info.data.get("partner")
+        return check_policy_seat(v, partner) if isinstance(partner, PartnerSpec) else v
 
     @field_validator("partner_base_url", "partner_max_calls")
     @classmethod
     def _api_only(cls, v, info: ValidationInfo):
-        if "partner" not in info.data:
+        partner = info.data.get("partner")
+        if not isinstance(partner, PartnerSpec):  # refused, or its game was
             return v
         option = "--" + str(info.field_name).replace("_", "-")
-        return check_api_only(v, info.data["partner"], option)
+        return check_api_only(v, partner, option)
 
     @field_validator("partner_key_env")
     @classmethod

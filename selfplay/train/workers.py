@@ -18,11 +18,11 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
+from selfplay.environ import scoped_env
 from selfplay.train import lm_head
 from selfplay.train.batch import from_nested, full_sequence_mask, to_tensordict
 from selfplay.train.config import PACKED_SDPA, TrainConfig
@@ -279,8 +279,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _restored_environ() -> Iterator[None]:
+def _restored_environ() -> contextlib.AbstractContextManager[None]:
     """Undo, on exit, what process-group setup and verl's ``Worker`` write to ``os.environ``.
 
     verl reads the rendezvous (``MASTER_PORT``, ``RANK``, ...) from the environment and writes it
@@ -288,16 +287,7 @@ def _restored_environ() -> Iterator[None]:
     process starts later (``selfplay iterate`` runs its stages as subprocesses), whose own
     process group then fails to bind that port.
     """
-    keys = ["REDIS_STORE_SERVER_HOST", "MASTER_PORT", *_WORLD_OF_ONE]
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return scoped_env(keys=("REDIS_STORE_SERVER_HOST", "MASTER_PORT", *_WORLD_OF_ONE))
 
 
 # the rendezvous of a world of one process (MASTER_PORT, a free port, is added when it is set)

@@ -1,15 +1,20 @@
-"""The DialOp matching game behind the ``DialogueGame`` interface: ``MATCHING``.
+"""The DialOp matching game behind the ``DialogueGame`` interface: ``MATCHING`` and its views.
 
 A thin adapter: every member delegates to the folder's modules: the rules (``rules``, ``turns``),
 the texts (``prompts``, the API partner's persona too), ``questions``, the scripted players
 (``scripted``) and the DialOp human games (``human``).
+
+A view is the same game with other options (how a table is shown, what a seat is told after an
+answer, a proposal cap): the same scenarios, scripted decisions and rewards. ``VIEWS`` is their
+table, each under its own name; ``selfplay.game.GAMES`` registers them.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from selfplay.game.api import QuestionKind
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID, QuestionKind
 from selfplay.game.matching import prompts, questions
 from selfplay.game.matching.human import HUMAN
 from selfplay.game.matching.rules import MAX_N, MIN_N, PAPERS_SHORT, REVIEWERS, Scenario
@@ -24,16 +29,18 @@ _MESSAGE_TAG = re.compile(r"^\s*\[message\]", re.IGNORECASE)
 class MatchingGame:
     """Assign n reviewers to n papers from two partial, differently scaled views (n = size).
 
-    ``table_format`` is how a seat's table is shown (``prompts.TABLE_FORMATS``): the reference's
-    CSV here, one line per reviewer in ``MatchingLinesGame``, one known cell a line, highest
-    first, in ``MatchingRankedGame``."""
+    The options (keyword arguments; the class attributes are their defaults, the plain game's):
+    ``table_format`` is how a seat's table is shown (``prompts.TABLE_FORMATS``), ``instructions``
+    the rules' wording (``prompts.INSTRUCTIONS_BY_STYLE``), ``notes`` / ``advice`` what a seat is
+    also shown after an answer (``turns.Game``), ``max_proposals`` a cap on the proposals of both
+    seats (``turns.Game``), ``heldout_baselines`` iterate's held-out scripted rows."""
 
     name = "matching"
     table_format = "csv"
-    instructions = "full"  # prompts.INSTRUCTIONS_BY_STYLE
-    notes = False  # turns.Game.notes: the merged list after each answer (matching-notes)
-    advice = False  # turns.Game.advice: the best proposal after each answer (matching-advice)
-    max_proposals: int | None = None  # turns.Game.max_proposals (matching-cap2)
+    instructions = "full"
+    notes = False
+    advice = False
+    max_proposals: int | None = None
     min_size = MIN_N
     max_size = MAX_N
     scenario_type = Scenario
@@ -44,10 +51,21 @@ class MatchingGame:
     partner_persona = prompts.SHY_PERSONA
     human = HUMAN
 
+    OPTIONS = ("name", "table_format", "instructions", "notes", "advice", "max_proposals")
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(options.keys() - {*self.OPTIONS, "heldout_baselines"})
+        if unknown:
+            raise TypeError(f"not an option of the matching game: {', '.join(unknown)}")
+        for key, value in options.items():
+            setattr(self, key, value)
+
     def new_scenario(self, seed: int, size: int) -> Scenario:
         return _generate_scenario(seed, size)
 
-    def new_game(self, scenario: Scenario, *, max_actions: int = 30, max_invalid: int = 3) -> Game:
+    def new_game(
+        self, scenario: Scenario, *, max_actions: int = MAX_ACTIONS, max_invalid: int = MAX_INVALID
+    ) -> Game:
         return Game(
             scenario,
             max_actions=max_actions,
@@ -86,120 +104,53 @@ class MatchingGame:
 
 
 MATCHING = MatchingGame()
+# one line per reviewer naming its known cells ("Ava Li: BLEU 116, GloVe 79"), the form the
+# scripted players' messages use
+MATCHING_LINES = MatchingGame(name="matching-lines", table_format="lines")
+# matching-lines with the rules in five sentences (``prompts.SHORT_INSTRUCTIONS``): a 3x3 seat's
+# prompt about 130 tokens shorter than the csv game's (SmolLM2 warm-start row: 311 tokens, not 442)
+MATCHING_SHORT = MatchingGame(name="matching-short", table_format="lines", instructions="short")
+# known cells one a line, highest first ("Ava Li: GloVe 968"), the scripted players' messages in
+# the same order: the largest known value is a first line, not the result of comparisons
+MATCHING_RANKED = MatchingGame(name="matching-ranked", table_format="ranked")
+# matching-ranked with the cells a seat does not know listed after its known ones, in a direct
+# question's words; ``scripted:asker`` asks them in that order (docs/experiments/asking.md)
+MATCHING_GAPS = MatchingGame(name="matching-gaps", table_format="gaps")
+# matching-gaps where, after each answer about cells a seat does not know, it is also shown its
+# known cells merged with every answer so far, highest first (``prompts.NOTES_HEADER``)
+MATCHING_NOTES = MatchingGame(name="matching-notes", table_format="gaps", notes=True)
+# matching-gaps where each seat is also shown the best proposal by what it knows, not yet rejected
+# (``prompts.ADVICE_HEADER``), again after each new value, reply or rejection, and the cells left
+# to ask (``prompts.LEFT_HEADER``): what is left to the model is to ask or to propose the advice.
+# ``scripted:advised`` never asks and proposes the advice, ``scripted:advised-asker`` asks first
+# (the panel's value of asking, ``evaluate.learned``, is advised-asker's reward minus proposer's)
+ADVISED_BASELINES = (*MatchingGame.heldout_baselines, "advised", "advised-asker")
+MATCHING_ADVICE = MatchingGame(
+    name="matching-advice", table_format="advice", advice=True, heldout_baselines=ADVISED_BASELINES
+)
+# at most 2 proposals between the seats: the second's rejection ends the game with no deal
+# (``Outcome.NO_DEAL``, reward 0), so a seat has a reason to ask first
+# (docs/experiments/asking-again.md)
+MATCHING_CAP2 = MatchingGame(name="matching-cap2", max_proposals=2)
+# matching-advice with matching-cap2's rule: whether a question is worth asking before proposing
+# (docs/experiments/asking-again.md: the setting chosen on design seed 101 before training)
+MATCHING_ADVICE_CAP2 = MatchingGame(
+    name="matching-advice-cap2",
+    table_format="advice",
+    advice=True,
+    max_proposals=2,
+    heldout_baselines=ADVISED_BASELINES,
+)
 
-
-class MatchingLinesGame(MatchingGame):
-    """The matching game with each seat's table shown as one line per reviewer naming its known
-    cells ("Ava Li: BLEU 116, GloVe 79"), the form the scripted players' messages use: the same
-    rules, scenarios, scripted players and rewards; only the prompt's table differs."""
-
-    name = "matching-lines"
-    table_format = "lines"
-
-
-MATCHING_LINES = MatchingLinesGame()
-
-
-class MatchingShortGame(MatchingLinesGame):
-    """matching-lines with the rules in five sentences (``prompts.SHORT_INSTRUCTIONS``): the same
-    rules, scenarios, scripted players and rewards; a 3x3 seat's prompt is about 130 tokens
-    shorter than the csv game's (SmolLM2: a warm-start row of ``make demo`` 311 tokens instead of
-    442), where the prompt is three quarters of a row."""
-
-    name = "matching-short"
-    instructions = "short"
-
-
-MATCHING_SHORT = MatchingShortGame()
-
-
-class MatchingRankedGame(MatchingGame):
-    """The matching game with each seat's known cells listed one a line, highest value first
-    ("Ava Li: GloVe 968"), and the scripted players' messages stating their values in the same
-    order ("My known scores, highest first: Ava Li: GloVe 968; Sofia Patel: BLEU 156"). The same
-    rules, scenarios, rewards and scripted decisions; only the order of the values in the texts
-    differs, so that the largest known value is a first line, not the result of comparisons."""
-
-    name = "matching-ranked"
-    table_format = "ranked"
-
-
-MATCHING_RANKED = MatchingRankedGame()
-
-
-class MatchingGapsGame(MatchingRankedGame):
-    """matching-ranked with the cells a seat does not know listed after its known ones, one a line
-    in table order, in a direct question's words ("Not known to you:" / "Ava Li on GloVe"). The
-    same rules, scenarios, rewards and scripted players; ``scripted:asker`` asks about those cells
-    in that order, so each of its questions copies the next line of the list
-    (docs/experiments/asking.md)."""
-
-    name = "matching-gaps"
-    table_format = "gaps"
-
-
-MATCHING_GAPS = MatchingGapsGame()
-
-
-class MatchingNotesGame(MatchingGapsGame):
-    """matching-gaps where, after each partner message that answers about cells a seat does not
-    know ("Ava Li on GloVe: 375."), that seat is also shown its known cells merged with every such
-    answer so far, one a line, highest first (``prompts.NOTES_HEADER``). The picks after asking
-    are then read off a list, as the first picks are read off the table, instead of merged in the
-    model's head. Same rules, scenarios, rewards and scripted decisions
-    (docs/experiments/asking.md)."""
-
-    name = "matching-notes"
-    notes = True
-
-
-MATCHING_NOTES = MatchingNotesGame()
-
-
-class MatchingAdviceGame(MatchingGapsGame):
-    """matching-gaps where each seat is also shown the best proposal by what it knows, not yet
-    rejected (``prompts.ADVICE_HEADER`` and the proposal's text): in its table, and again after
-    each partner message that states a value new to it or replies to its question and after each
-    rejection of its proposal; once it has asked, the cells left to ask come first
-    (``prompts.LEFT_HEADER``). Proposing well and the next question are then copies; what is left
-    to the model is the choice this game is for: ask about an unknown cell or propose the advice.
-    ``scripted:advised`` never asks and proposes the advice, ``scripted:advised-asker`` asks
-    first (beside shy-strict, 3x3, 20 actions: 0.651 against 0.741). Same rules, scenarios and
-    rewards (docs/experiments/asking.md)."""
-
-    name = "matching-advice"
-    table_format = "advice"
-    advice = True
-    # the scripted players that copy the advice, never asking and asking first (the panel's
-    # value of asking, ``evaluate.learned``, is advised-asker's reward minus proposer's)
-    heldout_baselines = (*MatchingGame.heldout_baselines, "advised", "advised-asker")
-
-
-MATCHING_ADVICE = MatchingAdviceGame()
-
-
-class MatchingCap2Game(MatchingGame):
-    """The matching game where the two seats may make at most 2 proposals in all: the rejection
-    of the second ends the game with no deal (``Outcome.NO_DEAL``, reward 0), and the rules say
-    so. Proposing down one's own estimate until the partner accepts stops paying, so a seat that
-    does not know the cells its best assignment rests on has a reason to ask first
-    (docs/experiments/asking-again.md)."""
-
-    name = "matching-cap2"
-    max_proposals = 2
-
-
-MATCHING_CAP2 = MatchingCap2Game()
-
-
-class MatchingAdviceCap2Game(MatchingAdviceGame):
-    """matching-advice with matching-cap2's rule (at most 2 proposals between the seats): the
-    advice makes a good proposal a copy, the cap makes a bad one costly, and what is left to the
-    seat is whether a question is worth asking before it proposes (docs/experiments/
-    asking-again.md: the setting chosen on design seed 101 before training)."""
-
-    name = "matching-advice-cap2"
-    max_proposals = 2
-
-
-MATCHING_ADVICE_CAP2 = MatchingAdviceCap2Game()
+# the views of the game, the plain one first: selfplay.game registers each under its name
+VIEWS: tuple[MatchingGame, ...] = (
+    MATCHING,
+    MATCHING_LINES,
+    MATCHING_RANKED,
+    MATCHING_SHORT,
+    MATCHING_GAPS,
+    MATCHING_NOTES,
+    MATCHING_ADVICE,
+    MATCHING_CAP2,
+    MATCHING_ADVICE_CAP2,
+)

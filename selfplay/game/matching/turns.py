@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from selfplay.game.api import GameOverError, Outcome
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID, GameOverError, Outcome
 from selfplay.game.matching.prompts import view_advice, view_left, view_notes
 from selfplay.game.matching.questions import asked_cell, parse_answers
 from selfplay.game.matching.rules import Pairs, ProposalError, Scenario, parse_proposal
@@ -60,8 +60,8 @@ class Game:
     """Rules and state of one game on one scenario. Deterministic: no randomness inside."""
 
     scenario: Scenario
-    max_actions: int = 30
-    max_invalid: int = 3
+    max_actions: int = MAX_ACTIONS
+    max_invalid: int = MAX_INVALID
     # a cap on proposals (matching-cap2): the partner's rejection of the last allowed one ends
     # the game with no deal, so a proposal is worth making only when it is likely accepted
     max_proposals: int | None = None
