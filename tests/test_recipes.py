@@ -29,6 +29,8 @@ def _run_name(manifest: Path) -> str:
     """docs/runs/NAME for a run's manifest and for a seed's."""
     run = manifest.parent.parent if manifest.parent.name.startswith("seed-") else manifest.parent
     return run.name
+
+
 # Where the published runs found the embedded model (models.embedded_model_dir on that machine).
 RECORDED_EMBEDDED = Path("/root/.cache/selfplay/smollm2-135m-instruct")
 
