@@ -55,7 +55,9 @@ def test_results_page_is_written_from_the_runs():
     assert page.read_text() == text, "run: python scripts/runs_index.py"
     for run in (ROOT / "docs" / "runs").iterdir():
         if run.is_dir():
-            assert f"| [{run.name}]({run.name}/REPORT.md) |" in text, run.name
+            # a run's report, or a multi-seed run's SEEDS.md (each seed's report beside it)
+            linked = "SEEDS.md" if (run / "seeds.json").is_file() else "REPORT.md"
+            assert f"| [{run.name}]({run.name}/{linked}) |" in text, run.name
 
 
 def test_results_page_recomputes_the_paired_difference():

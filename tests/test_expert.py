@@ -325,5 +325,5 @@ def test_replay_trains_on_the_kept_games_of_the_latest_rounds(
     want += [g.game_id for g in kept]
     rows = pq.read_table(record.artifacts["train"]).to_pylist()
     assert sorted({r["game_id"] for r in rows}) == sorted(want)
-    assert record.info["games_replayed"] == len(want) - record.info["games_kept"]
-    assert record.info["rows_train"] == len(rows) == 2 * len(want)  # self-play: both seats
+    assert record.info.games_replayed == len(want) - record.info.games_kept
+    assert record.info.rows_train == len(rows) == 2 * len(want)  # self-play: both seats
