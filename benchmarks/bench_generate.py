@@ -304,7 +304,7 @@ def part_e(tmp: Path, args) -> list[tuple]:
 def part_f(tmp: Path, args) -> list[tuple]:
     """A held-out evaluation and the next generate: a child each, one after the other in one
     shared child, or together in one child on one engine (iterate's default)."""
-    from selfplay.iterate.child import StageChild, _default_generate, isolated
+    from selfplay.iterate.child import StageChild, default_generate, isolated
     from selfplay.iterate.config import IterateConfig
     from selfplay.iterate.heldout import _heldout_eval
     from selfplay.iterate.stages import beside_possible, generate_beside_heldout, generate_stage
@@ -323,7 +323,7 @@ def part_f(tmp: Path, args) -> list[tuple]:
         )  # fmt: skip
         start = time.perf_counter()
         if mode == "beside":
-            assert beside_possible(cfg, _default_generate)
+            assert beside_possible(cfg, default_generate)
             (held, _), _ = generate_beside_heldout(
                 cfg, 0, model, tmp / f"eval{i}", False, StageChild()
             )

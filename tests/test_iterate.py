@@ -405,14 +405,14 @@ def test_heldout_games_play_beside_the_rounds_games_in_shared_batches(
     (held-out) and a sampled (training) request, every planned game of each is written, and the
     held-out result is the evaluation's own (its games file, one game per scenario)."""
     from selfplay.engines.hf import HFEngine
-    from selfplay.iterate.child import _default_generate
+    from selfplay.iterate.child import default_generate
     from selfplay.iterate.stages import _beside, _generate_configs, beside_possible
 
     cfg = _beside_config(primed_model, tmp_path)
-    assert beside_possible(cfg, _default_generate)
-    assert not beside_possible(cfg.model_copy(update={"concurrency": 1}), _default_generate)
+    assert beside_possible(cfg, default_generate)
+    assert not beside_possible(cfg.model_copy(update={"concurrency": 1}), default_generate)
     assert not beside_possible(
-        cfg.model_copy(update={"eval_beside_generate": False}), _default_generate
+        cfg.model_copy(update={"eval_beside_generate": False}), default_generate
     )
     steps: list[set[float]] = []  # the temperatures of each decoding step's live rows
     sample_step = HFEngine._sample_step

@@ -128,7 +128,7 @@ class GamesWriteError(UserError, OSError):
     at once instead of playing games that cannot be kept."""
 
 
-class _Writer:
+class GamesWriter:
     """Appends finished records; games that finish together share one write and fsync. A write
     that fails stops the writer and calls ``on_error`` (the run cancels its games)."""
 

@@ -42,7 +42,7 @@ from selfplay.engines import Engine, EngineConfig, EngineFailure, LentEngine, op
 from selfplay.fileio import folder_lock
 from selfplay.generate.config import GenerateConfig
 from selfplay.generate.output import (
-    _Writer,
+    GamesWriter,
     plan_games,
     prepare_output,
     record_options,
@@ -226,7 +226,7 @@ async def generate_games(
         progress.start(stats)
     summary = Summary()  # this run's games as they finish; kept ones are read back at the end
     scenarios = Scenarios(config.table_size, game=config.game)
-    writer = _Writer(config.games_path)
+    writer = GamesWriter(config.games_path)
 
     def finished(spec: GameSpec, record: GameRecord) -> None:
         if deterministic:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 HOLD_ENV = "SELFPLAY_HOLD_BEFORE"
 
 
-def _hold(run_dir: Path, stage: str) -> None:
+def hold_if_asked(run_dir: Path, stage: str) -> None:
     if os.environ.get(HOLD_ENV) == stage:
         (run_dir / f"holding_{stage}").touch()
         log.warning("%s=%s: holding before %s until killed", HOLD_ENV, stage, stage)
@@ -59,7 +59,7 @@ def stage_progress(label: str):
     return progress_for(_console or sys.stderr, label)
 
 
-def _default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
+def default_generate(gen_cfg: GenerateConfig, engine_cfg) -> None:
     from selfplay.generate.runner import run_generate
 
     run_generate(gen_cfg, engine_cfg, stage_progress(f"round {gen_cfg.round} generate"))
@@ -213,6 +213,6 @@ def _status_mb(key: str) -> float | None:
     return None
 
 
-def _rss_mb() -> float | None:
+def resident_mb() -> float | None:
     """This process's resident memory now, in MiB (Linux; None elsewhere)."""
     return _status_mb("VmRSS")

@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 
 from selfplay.convert import ConvertConfig, ConvertOptions, rows_table
 from selfplay.fileio import atomic_write
-from selfplay.iterate.child import _hold
+from selfplay.iterate.child import hold_if_asked
 from selfplay.iterate.config import IterateConfig
 from selfplay.manifest import ConvertInfo, StageRecord
 from selfplay.records import GameRecord, iter_game_records, line_game_id
@@ -129,7 +129,7 @@ def select_stage(
     """Round ``k``'s games -> the kept games and their rows; skipped (with the reason) when no
     game passes the rule."""
     started = time.time()
-    _hold(cfg.run_dir, "convert")
+    hold_if_asked(cfg.run_dir, "convert")
     rdir = cfg.round_dir(k)
     games = list(iter_game_records(rdir / "games.jsonl"))
     kept = select_games(games, cfg.ei_top_k, cfg.ei_min_reward, cfg.ei_above_mean)

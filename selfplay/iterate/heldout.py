@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from selfplay.generate.config import PlayOptions
-from selfplay.iterate.child import StageChild, _hold, isolated
+from selfplay.iterate.child import StageChild, hold_if_asked, isolated
 from selfplay.iterate.config import IterateConfig, IterateError
 from selfplay.manifest import HeldoutInfo, Manifest, StageRecord, WarmStartInfo
 from selfplay.metrics import HeldOut
@@ -66,7 +66,7 @@ def warm_start_stage(cfg: IterateConfig) -> StageRecord:
     if not cfg.warm_start.startswith("scripted:"):
         return StageRecord.since(started, artifacts={"model": cfg.warm_start}, info=WarmStartInfo())
     out = cfg.warm_start_dir  # the loop cleared the way (Run.claim: its own leftovers only)
-    _hold(cfg.run_dir, "warm_start")
+    hold_if_asked(cfg.run_dir, "warm_start")
     log.info("warm start: behaviour cloning %s into %s", cfg.warm_start, out)
     info, rss = isolated(_warm_start_sft, cfg)
     from selfplay.train.model_card import annotate

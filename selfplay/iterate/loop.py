@@ -43,7 +43,7 @@ import logging
 import os
 
 from selfplay.fileio import folder_lock
-from selfplay.iterate.child import STAGE_LOG_ENV, Generate, StageChild, _default_generate
+from selfplay.iterate.child import STAGE_LOG_ENV, Generate, StageChild, default_generate
 from selfplay.iterate.config import IterateConfig
 from selfplay.iterate.resume import ROUND_STAGES, Row, Run
 from selfplay.iterate.stages import Stages, beside_possible
@@ -74,7 +74,7 @@ def table(cfg: IterateConfig, beside: bool = False) -> list[Row]:
 
 
 def iterate(
-    config: IterateConfig, *, force: bool = False, generate: Generate = _default_generate
+    config: IterateConfig, *, force: bool = False, generate: Generate = default_generate
 ) -> Run:
     """Run (or resume, or extend) ``config.iterations`` rounds; return the run.
 

@@ -15,7 +15,7 @@ import numpy as np
 from selfplay.convert import ConvertConfig, ConvertOptions, NoSignalError, convert
 from selfplay.engines import ServerEngineConfig
 from selfplay.generate.config import GenerateConfig, GenerateOptions
-from selfplay.iterate.child import Generate, StageChild, _default_generate, _hold, isolated
+from selfplay.iterate.child import Generate, StageChild, default_generate, hold_if_asked, isolated
 from selfplay.iterate.config import IterateConfig
 from selfplay.iterate.heldout import heldout_due, heldout_recorded, heldout_stage, warm_start_stage
 from selfplay.iterate.resume import Row, Run
@@ -76,7 +76,7 @@ def beside_possible(cfg: IterateConfig, generate: Generate) -> bool:
         cfg.eval_beside_generate
         and cfg.engine.kind == "hf"
         and cfg.concurrency != 1
-        and generate is _default_generate
+        and generate is default_generate
     )
 
 
@@ -146,7 +146,7 @@ def generate_stage(
     k: int,
     model: str,
     done: dict[str, StageRecord],
-    generate: Generate = _default_generate,
+    generate: Generate = default_generate,
     child: StageChild | None = None,
 ) -> StageRecord:
     """Round ``k``'s games with ``model`` (resumes game by game), in a child process: ``child``
@@ -165,7 +165,7 @@ def generate_stage(
     log.info("round %d: generating %d games with %s", k, cfg.games_per_iter, model)
     info = GenerateInfo()
     with child or StageChild() as run_in:
-        if generate is _default_generate:
+        if generate is default_generate:
             _, rss = run_in.run(generate, gen_cfg, engine_cfg)
             info = GenerateInfo(peak_rss_mb=rss)
         else:  # a caller's own function (tests) runs here
@@ -181,7 +181,7 @@ def convert_stage(
     from selfplay.iterate.guided import guide_active, write_guided_games
 
     started = time.time()
-    _hold(cfg.run_dir, "convert")
+    hold_if_asked(cfg.run_dir, "convert")
     rdir = cfg.round_dir(k)
     games, guided = rdir / "games.jsonl", ConvertInfo()
     if guide_active(cfg, k):
@@ -218,7 +218,7 @@ def train_stage(
     """GRPO on round ``k``'s rows from ``model`` into ``checkpoint_dir(k)``, in a child (with
     ``--algorithm expert-iteration``: the SFT loss on the kept games' rows)."""
     started = time.time()
-    _hold(cfg.run_dir, "train")
+    hold_if_asked(cfg.run_dir, "train")
     if done["convert"].skip_reason:
         return StageRecord.since(started, skip_reason="no training signal", info=TrainInfo())
     out = cfg.checkpoint_dir(k)  # the loop cleared the way (Run.claim: its own leftovers only)

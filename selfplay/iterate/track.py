@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from selfplay.iterate.child import _rss_mb
+from selfplay.iterate.child import resident_mb
 from selfplay.iterate.resume import Run
 from selfplay.manifest import RoundRecord, RoundStats
 from selfplay.metrics import summarize
@@ -77,7 +77,7 @@ def round_metrics(rnd: RoundRecord, games: Path) -> RoundStats:
         seconds={name: rec.seconds for name, rec in rnd.stages.items()},
         # resident memory (MiB): the loop's own now, and each stage's peak (its own process)
         rss_mb={
-            "loop": _rss_mb(),
+            "loop": resident_mb(),
             **{
                 n: r.info.peak_rss_mb
                 for n, r in rnd.stages.items()

@@ -18,13 +18,13 @@ from selfplay.train.config import TrainConfig
 from selfplay.train.publish import publish
 from selfplay.train.trainer import (
     TrainResult,
-    _chunks,
-    _drive,
-    _export,
-    _mean,
     batch_sizes,
+    drive_updates,
+    export_result,
     load_rows,
+    mean_metric,
     micro_batch,
+    minibatch_chunks,
 )
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:
     batch, mini, steps_per_epoch = batch_sizes(len(rows), cfg)
     cfg = cfg.model_copy(update={"micro_batch_size": micro_batch(mini, cfg)})
     updates_per_epoch = sum(
-        len(idx) // mini for idx in _chunks(len(rows), batch, mini, steps_per_epoch, 0, cfg.seed)
+        len(idx) // mini
+        for idx in minibatch_chunks(len(rows), batch, mini, steps_per_epoch, 0, cfg.seed)
     )
     total = updates_per_epoch * cfg.epochs
     log.info(
@@ -92,9 +93,9 @@ def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:
             rows=len(idx),
             tokens=tokens,
             trained_tokens=int(padded["response_mask"].sum()),
-            loss=_mean(metrics, "loss") or 0.0,
-            grad_norm=_mean(metrics, "grad_norm") or 0.0,
-            lr=_mean(metrics, "lr") or cfg.lr,
+            loss=mean_metric(metrics, "loss") or 0.0,
+            grad_norm=mean_metric(metrics, "grad_norm") or 0.0,
+            lr=mean_metric(metrics, "lr") or cfg.lr,
             time_s=elapsed,
             tokens_per_s=tokens / max(elapsed, 1e-9),
         )
@@ -103,10 +104,10 @@ def _train_sft(cfg: TrainConfig, on_step) -> TrainResult:
     batches = (
         (e, idx)
         for e in range(cfg.epochs)
-        for idx in _chunks(len(rows), batch, mini, steps_per_epoch, e, cfg.seed)
+        for idx in minibatch_chunks(len(rows), batch, mini, steps_per_epoch, e, cfg.seed)
     )
-    result = _drive(
+    result = drive_updates(
         cfg, len(rows), total, batches, one, on_step, prepare=lambda w: w.use_sft_loss()
     )
-    _export(cfg, result, [asdict(s) for s in result.steps], algorithm="sft")
+    export_result(cfg, result, [asdict(s) for s in result.steps], algorithm="sft")
     return result

@@ -250,7 +250,9 @@ def _check_rollout_log_probs(rows: Rows, cfg: TrainConfig) -> None:
 
 
 def _epoch_batches(p: Plan, epoch: int, seed: int) -> list[np.ndarray]:
-    chunks = _chunks(len(p.rows), p.batch_size, p.mini_batch_size, p.steps_per_epoch, epoch, seed)
+    chunks = minibatch_chunks(
+        len(p.rows), p.batch_size, p.mini_batch_size, p.steps_per_epoch, epoch, seed
+    )
     return [np.sort(c) for c in chunks]
 
 
@@ -301,7 +303,7 @@ def add_old_log_probs(workers, batch: dict[str, torch.Tensor], cfg: TrainConfig)
     return extra
 
 
-def _mean(metrics: dict, key: str) -> float | None:
+def mean_metric(metrics: dict, key: str) -> float | None:
     value = metrics.get(key)
     if value is None:
         return None
@@ -357,19 +359,19 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
             epoch=epoch,
             rows=len(idx),
             tokens=tokens,
-            pg_loss=_mean(metrics, "actor/pg_loss") or 0.0,
-            loss=_mean(metrics, "loss") or 0.0,
-            kl=_mean(metrics, "kl_loss"),
-            ppo_kl=_mean(metrics, "actor/ppo_kl") or 0.0,
-            clip_frac=_mean(metrics, "actor/pg_clipfrac") or 0.0,
-            grad_norm=_mean(metrics, "grad_norm") or 0.0,
-            entropy=extra.get("entropy", _mean(metrics, "actor/entropy_loss") or 0.0),
-            lr=_mean(metrics, "lr") or cfg.lr,
+            pg_loss=mean_metric(metrics, "actor/pg_loss") or 0.0,
+            loss=mean_metric(metrics, "loss") or 0.0,
+            kl=mean_metric(metrics, "kl_loss"),
+            ppo_kl=mean_metric(metrics, "actor/ppo_kl") or 0.0,
+            clip_frac=mean_metric(metrics, "actor/pg_clipfrac") or 0.0,
+            grad_norm=mean_metric(metrics, "grad_norm") or 0.0,
+            entropy=extra.get("entropy", mean_metric(metrics, "actor/entropy_loss") or 0.0),
+            lr=mean_metric(metrics, "lr") or cfg.lr,
             time_s=t2 - t0,
             tokens_per_s=tokens / max(t2 - t0, 1e-9),
             update_tokens_per_s=tokens / max(t2 - t1, 1e-9),
             rollout_is_mean=extra.get("rollout_is_mean"),
-            guide_token_prob=_mean(metrics, "actor/guide_token_prob") if guided else None,
+            guide_token_prob=mean_metric(metrics, "actor/guide_token_prob") if guided else None,
         )
         return sm, len(idx) // p.mini_batch_size
 
@@ -381,13 +383,13 @@ def _train(cfg: TrainConfig, on_step) -> TrainResult:
         if guided:
             workers.use_guided_loss(cfg.guide_gamma)
 
-    result = _drive(cfg, len(p.rows), total, batches, one, on_step, prepare=prepare)
+    result = drive_updates(cfg, len(p.rows), total, batches, one, on_step, prepare=prepare)
     signal = len(np.unique(p.rows.group_ids[p.advantages != 0]))
-    _export(cfg, result, [asdict(s) for s in result.steps], groups_with_signal=signal)
+    export_result(cfg, result, [asdict(s) for s in result.steps], groups_with_signal=signal)
     return result
 
 
-def _drive(cfg: TrainConfig, rows: int, total: int, batches, one, on_step, *, prepare=None):
+def drive_updates(cfg: TrainConfig, rows: int, total: int, batches, one, on_step, *, prepare=None):
     """The loop ``train`` and ``train_sft`` share: open the workers, run ``one(workers, epoch,
     idx, step) -> (metrics, optimizer updates)`` on every batch (logging each step's line and
     calling ``on_step``), save verl's checkpoint, always close the workers."""
@@ -423,7 +425,7 @@ def _save(workers, cfg: TrainConfig, step: int, result: TrainResult) -> None:
     result.checkpoint_dir = ckpt
 
 
-def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -> None:
+def export_result(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -> None:
     """The HF directory from the saved checkpoint, verl's checkpoint kept or removed, and
     metrics.json (config, rows, one entry per step)."""
     from selfplay.train.export import export_hf_dir
@@ -463,7 +465,9 @@ def _export(cfg: TrainConfig, result: TrainResult, steps: list[dict], **extra) -
     )
 
 
-def _chunks(n: int, batch: int, mini: int, steps: int, epoch: int, seed: int) -> list[np.ndarray]:
+def minibatch_chunks(
+    n: int, batch: int, mini: int, steps: int, epoch: int, seed: int
+) -> list[np.ndarray]:
     """An epoch's row indices in ``steps`` chunks of whole mini-batches (shuffled per epoch)."""
     order = np.random.default_rng([seed, epoch]).permutation(n)
     out, start = [], 0
