@@ -131,6 +131,12 @@ def split(run: Path, manifest: dict | None) -> str:
     return f"dev (eval seed {seed})" if seed is not None else "dev"
 
 
+def provenance(manifest: dict) -> tuple[str, str]:
+    """(the CPU the manifest records, or "", the commit the run started at, short)."""
+    cpu = manifest.get("cpu") or manifest.get("versions", {}).get("cpu") or ""
+    return cpu, (manifest.get("git_commit") or "—")[:7]
+
+
 def seeds_row(run: Path, asks: dict[str, str]) -> list[str]:
     """A multi-seed run (``iterate --seeds``: seeds.json, seed-K/): its split, its seeds, the
     pooled paired difference (per scenario the mean over seeds), the seeds' stage time summed."""
@@ -139,7 +145,7 @@ def seeds_row(run: Path, asks: dict[str, str]) -> list[str]:
     pooled = summary["pooled"]["start"]
     mean, low, high = pooled["mean_ci"]
     seeds = [str(s["seed"]) for s in summary["seeds"]]
-    first = manifests[0] if manifests else {}
+    cpu, commit = provenance(manifests[0] if manifests else {})
     recipe = recipe_of(run)
     return [
         f"[{run.name}]({run.name}/SEEDS.md)",
@@ -151,8 +157,8 @@ def seeds_row(run: Path, asks: dict[str, str]) -> list[str]:
         str(pooled["scenarios"]),
         AUDIT.get(run.name, ""),
         minutes(sum(stage_seconds(m) for m in manifests)),
-        first.get("cpu") or first.get("versions", {}).get("cpu") or "",
-        (first.get("git_commit") or "—")[:7],
+        cpu,
+        commit,
     ]
 
 
@@ -167,8 +173,7 @@ def row(run: Path, asks: dict[str, str]) -> list[str]:
     if manifest:
         seeds = f"1 (seed {manifest['config'].get('seed', '?')})"
         time = minutes(stage_seconds(manifest))
-        cpu = manifest.get("cpu") or manifest.get("versions", {}).get("cpu") or ""
-        commit = (manifest.get("git_commit") or "—")[:7]
+        cpu, commit = provenance(manifest)
     else:
         seeds, time, cpu, commit = "1 (not recorded)", "—", "", "— (no manifest)"
     report = f"[{name}]({name}/REPORT.md)" if (run / "REPORT.md").is_file() else name
