@@ -97,7 +97,8 @@ def recipe_note(recipe: Path, manifest: Path) -> str:
     ours = parse_iterate(["--config", str(recipe)], resolve=False).identity()
     theirs = parse_iterate(["--config", str(manifest)], resolve=False).identity()
     lines = [f"recipe: {recipe.as_posix()}"]
-    if manifest.parent.name.startswith("seed-"):
+    one_seed = manifest.parent.name.startswith("seed-")
+    if one_seed:
         # One seed of a multi-seed run: it lives in data/NAME/seed-K (checkpoints likewise) under
         # its own name and seed; the recipe names the whole run.
         for key in ("name", "data_root", "checkpoint_root", "seed", "seeds"):
@@ -109,7 +110,7 @@ def recipe_note(recipe: Path, manifest: Path) -> str:
         lines.append(f"today's recipe differs from this run in: {changes} (run -> recipe)")
     else:
         lines.append("it gives this run's config (the options a resume compares)")
-    again = recipe if manifest.parent.name.startswith("seed-") else manifest
+    again = recipe if one_seed else manifest
     lines.append(f"this run again: selfplay iterate --config {again.as_posix()}")
     return "\n".join(lines) + "\n"
 
