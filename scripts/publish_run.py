@@ -48,11 +48,12 @@ def _gzip(games: Path, out: Path) -> Path:
 
 def publish_test(run_dir: Path, dest: Path, manifest: dict) -> list[Path]:
     """The test split's games of every row (``Manifest.test``) as dest/test/ROW.jsonl.gz."""
+    from selfplay.iterate.test_split import games_file
+
     written = []
     for row, held in (manifest.get("test") or {}).items():
-        folder = _on_disk(held["path"], run_dir) / "games"
-        kind = "model" if row in ("warm_start", "initial", "final") else "baseline"
-        written.append(_gzip(folder / f"{kind}-{row}.jsonl", dest / "test" / f"{row}.jsonl.gz"))
+        games = games_file(_on_disk(held["path"], run_dir), row)
+        written.append(_gzip(games, dest / "test" / f"{row}.jsonl.gz"))
     return written
 
 

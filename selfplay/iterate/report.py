@@ -23,6 +23,7 @@ from selfplay.evaluate.report import save_figure
 from selfplay.evaluate.scripted import evaluate_scripted
 from selfplay.fileio import atomic_write
 from selfplay.game.api import DialogueGame
+from selfplay.iterate.test_split import FINAL, MODEL_ROWS, START_ROWS, games_file
 from selfplay.manifest import MANIFEST_FILE, Manifest, RunSettings, read_manifest
 from selfplay.metrics import HeldOut, RoundMetrics
 
@@ -220,12 +221,11 @@ def test_files(manifest: Manifest) -> tuple[Path | None, Path | None, dict[str, 
     test = manifest.test
     if not test:
         return None, None, {}
-    folder = Path(next(iter(test.values())).path or "") / "games"
-    start = next((k for k in ("warm_start", "initial") if k in test), None)
-    models = {k for k in test if k in ("warm_start", "initial", "final")}
-    final = folder / f"model-{'final' if 'final' in test else start}.jsonl"
-    base = {k: folder / f"baseline-{k}.jsonl" for k in test if k not in models}
-    return final, (folder / f"model-{start}.jsonl" if start else None), base
+    folder = next(iter(test.values())).path or ""  # one evaluation played every row
+    files = {row: games_file(folder, row) for row in test}
+    start = next((files[k] for k in START_ROWS if k in test), None)
+    base = {k: v for k, v in files.items() if k not in MODEL_ROWS}
+    return files.get(FINAL, start), start, base
 
 
 def _test_section(manifest: Manifest) -> list[str]:

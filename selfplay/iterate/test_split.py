@@ -5,7 +5,7 @@ ever saw. Greedy, on the run's engine, the same eval code as ``selfplay eval --s
 
 Rows (``Manifest.test``): ``warm_start`` (or ``initial`` without a warm start), ``final`` (the
 model after the last round) and one per baseline (``proposer`` included); every game is kept in
-``data/RUN/test/games/<row>.jsonl``, paired by scenario across rows.
+``data/RUN/test/games/`` (``games_file``), paired by scenario across rows.
 """
 
 from __future__ import annotations
@@ -23,6 +23,17 @@ from selfplay.metrics import HeldOut
 log = logging.getLogger(__name__)
 
 FINAL = "final"
+START_ROWS = ("warm_start", "initial")  # the start model's row: with a warm start, or without
+MODEL_ROWS = (*START_ROWS, FINAL)  # every other row is a baseline's
+
+
+def games_file(folder: str | Path, row: str) -> Path:
+    """Where the test split's evaluation, written to ``folder`` (its rows' ``HeldOut.path``),
+    keeps ``row``'s games: ``evaluate.run`` names a model's file model-LABEL.jsonl and a
+    baseline's baseline-NAME.jsonl. The report, the multi-seed report and publish_run.py all
+    find the files here."""
+    kind = "model" if row in MODEL_ROWS else "baseline"
+    return Path(folder) / "games" / f"{kind}-{row}.jsonl"
 
 
 def start_label(cfg: IterateConfig) -> str:
