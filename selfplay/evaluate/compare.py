@@ -24,7 +24,7 @@ from pathlib import Path
 
 from selfplay.errors import UserError
 from selfplay.metrics import GameSummary, mean_ci, questions_by_seat, summarize
-from selfplay.records import iter_game_records
+from selfplay.records import GameRecord, iter_game_records
 
 
 class CompareError(UserError, ValueError):
@@ -110,7 +110,12 @@ def load(spec: str, data_root: Path = Path("data")) -> HeldoutSet:
 
 def load_games(path: Path, label: str) -> HeldoutSet:
     """The held-out set of one games file, named ``label``."""
-    records = list(iter_game_records(path))
+    return games_set(list(iter_game_records(path)), path, label)
+
+
+def games_set(records: list[GameRecord], path: Path, label: str) -> HeldoutSet:
+    """The held-out set of games already read from ``path`` (a reader that needs the records
+    too reads the file once)."""
     if not records:
         raise CompareError(f"{label}: {path} holds no games")
     by: dict[str, list[float]] = {}

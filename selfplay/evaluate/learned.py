@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfplay.evaluate.compare import CompareError, load_games, paired
+from selfplay.evaluate.compare import CompareError, games_set, paired
 from selfplay.metrics import questions_by_seat
 from selfplay.records import GameRecord, iter_game_records
 
@@ -82,8 +82,8 @@ def first_decision(game: GameRecord, tokenizer=None) -> float | None:
     return None
 
 
-def _by_scenario(path: Path) -> dict[str, GameRecord]:
-    return {g.scenario_id: g for g in iter_game_records(path)}
+def _by_scenario(games: list[GameRecord]) -> dict[str, GameRecord]:
+    return {g.scenario_id: g for g in games}
 
 
 def _moves(game: GameRecord) -> list[tuple]:
@@ -156,8 +156,17 @@ def panel(model: Path, start: Path | None, baselines: dict[str, Path], split: st
     others = {"start": start} if start is not None else {}
     others |= {f"scripted {k}": v for k, v in sorted(baselines.items())}
     others = {k: v for k, v in others.items() if v is not None and v.is_file()}
-    mine = load_games(model, "final")
-    games = _by_scenario(model)
+    read: dict[Path, list[GameRecord]] = {}
+
+    def records(path: Path) -> list[GameRecord]:
+        """A games file's records, read once (the pairing, the identity and the asking split
+        each use them)."""
+        if path not in read:
+            read[path] = list(iter_game_records(path))
+        return read[path]
+
+    mine = games_set(records(model), model, "final")
+    games = _by_scenario(records(model))
     md = [
         f"### What the model learned ({split} split)",
         "",
@@ -166,10 +175,10 @@ def panel(model: Path, start: Path | None, baselines: dict[str, Path], split: st
     ]
     for label, path in others.items():
         try:
-            d = paired(load_games(path, label), mine)
+            d = paired(games_set(records(path), path, label), mine)
         except CompareError:
             continue
-        same, n = identity(games, _by_scenario(path))
+        same, n = identity(games, _by_scenario(records(path)))
         md.append(
             f"| {label} | {d.scenarios} | {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}] "
             f"| {same} of {n} games |"
@@ -177,7 +186,11 @@ def panel(model: Path, start: Path | None, baselines: dict[str, Path], split: st
     asker = next((a for a in ASKERS if a in baselines), None)
     if PROPOSER in baselines and asker is not None:
         p, a = baselines[PROPOSER], baselines[asker]
-        split_ = asking_split(games, _by_scenario(p), _by_scenario(a)) if p.is_file() else None
+        split_ = (
+            asking_split(games, _by_scenario(records(p)), _by_scenario(records(a)))
+            if p.is_file()
+            else None
+        )
         if split_ is not None and a.is_file():
             (np_, nn), (fp, fn) = split_.scenarios, split_.first_asks
             (qp, qn), (pp, pn) = split_.questions, split_.p_ask
