@@ -38,6 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 from check_gpu_train import Report, check_model  # noqa: E402  (this script's folder)
 
+from selfplay.manifest import (  # noqa: E402
+    ConvertInfo,
+    GenerateInfo,
+    Manifest,
+    WarmStartInfo,
+    read_manifest,
+)
+
 
 def _lines(path: Path) -> int:
     return len(path.read_bytes().splitlines()) if path.exists() else 0
@@ -45,6 +53,48 @@ def _lines(path: Path) -> int:
 
 def _game_ids(path: Path) -> list[str]:
     return [json.loads(line)["game_id"] for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def check_round(report: Report, manifest: Manifest, k: int) -> None:
+    """Round ``k``'s stage records: the held-out evaluation played beside its games, and expert
+    iteration kept games and trained on them."""
+    stages = manifest.rounds[k].stages
+    generate, convert = stages["generate"].info, stages["convert"].info
+    assert isinstance(generate, GenerateInfo) and isinstance(convert, ConvertInfo)
+    report.check(
+        f"round {k}: the held-out evaluation played beside its games", generate.with_heldout
+    )
+    report.check(
+        f"round {k}: expert iteration kept games and trained on them",
+        (convert.games_kept or 0) > 0 and convert.rows_train > 0,
+        f"kept {convert.games_kept} of {convert.games}, {convert.rows_train} rows",
+    )
+
+
+def check_heldout(report: Report, manifest: Manifest, rounds: int, eval_scenarios: int) -> None:
+    """The start and every round's model have a held-out result, each on ``eval_scenarios``."""
+    counts = {k: h.games for k, h in manifest.heldout.items()}
+    report.check(
+        "every model has its held-out result, on the same games",
+        sorted(counts) == list(range(rounds + 1)) and set(counts.values()) == {eval_scenarios},
+        str(counts),
+    )
+
+
+def stage_rows(manifest: Manifest, rounds: int) -> list[tuple[str, float, str, str, str]]:
+    """The stage table's rows (``Report.stages``): seconds from the manifest, with a note."""
+    warm = manifest.warm_start
+    assert warm is not None and isinstance(warm.info, WarmStartInfo)
+    rows = [("warm start", warm.seconds, "-", "-", f"{warm.info.rows} rows")]
+    for k in range(rounds):
+        for stage, rec in manifest.rounds[k].stages.items():
+            beside = isinstance(rec.info, GenerateInfo) and rec.info.with_heldout
+            note = "with the held-out evaluation" if beside else ""
+            rows.append((f"r{k} {stage}", rec.seconds, "-", "-", note))
+    for k, h in sorted(manifest.heldout.items()):
+        note = f"reward {h.reward_mean:.3f}, {h.games} games"
+        rows.append((f"heldout {k}", h.seconds, "-", "-", note))
+    return rows
 
 
 def main() -> int:
@@ -132,11 +182,10 @@ def main() -> int:
         else f"exit {proc.returncode} after {first:.0f} s (see {tmp / 'iterate.log'})",
     )
     path = run / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.exists() else {}
     if killed_at is not None:
         report.check(
             "at the kill, that evaluation not recorded (it shares the stage)",
-            str(args.rounds - 1) not in manifest.get("heldout", {}),
+            not path.exists() or args.rounds - 1 not in read_manifest(path).heldout,
         )
 
     # 2. the same command again: it resumes and ends
@@ -148,7 +197,7 @@ def main() -> int:
         print((tmp / "iterate.log").read_text()[-4000:])
         report.print()
         return 1
-    manifest = json.loads((run / "manifest.json").read_text())
+    manifest = read_manifest(run)
 
     # 3. what the run holds
     for k in range(args.rounds):
@@ -158,25 +207,8 @@ def main() -> int:
             len(ids) == len(set(ids)) == args.games,
             f"{len(ids)} lines, {len(set(ids))} unique",
         )
-        stages = manifest["rounds"][str(k)]["stages"]
-        report.check(
-            f"round {k}: the held-out evaluation played beside its games",
-            stages["generate"]["info"].get("with_heldout") is True,
-        )
-        info = stages["convert"]["info"]
-        report.check(
-            f"round {k}: expert iteration kept games and trained on them",
-            info.get("games_kept", 0) > 0 and info.get("rows_train", 0) > 0,
-            f"kept {info.get('games_kept')} of {info.get('games')}, {info.get('rows_train')} rows",
-        )
-    heldout = manifest.get("heldout", {})
-    counts = {k: v["games"] for k, v in heldout.items()}
-    report.check(
-        "every model has its held-out result, on the same games",
-        sorted(counts) == [str(k) for k in range(args.rounds + 1)]
-        and set(counts.values()) == {args.eval_scenarios},
-        str(counts),
-    )
+        check_round(report, manifest, k)
+    check_heldout(report, manifest, args.rounds, args.eval_scenarios)
     parent = checkpoints / "warm_start"
     check_model(report, "warm start", parent, base, args.device)
     for k in range(args.rounds):
@@ -195,16 +227,7 @@ def main() -> int:
         f"{time.perf_counter() - start:.0f} s, games {before} -> {after}",
     )
 
-    warm = manifest["warm_start"]
-    rows = warm["info"].get("rows")
-    report.stages.append(("warm start", warm["seconds"], "-", "-", f"{rows} rows"))
-    for k in range(args.rounds):
-        for stage, rec in manifest["rounds"][str(k)]["stages"].items():
-            note = "with the held-out evaluation" if rec["info"].get("with_heldout") else ""
-            report.stages.append((f"r{k} {stage}", rec["seconds"], "-", "-", note))
-    for k, rec in sorted(heldout.items()):
-        note = f"reward {rec['reward_mean']:.3f}, {rec['games']} games"
-        report.stages.append((f"heldout {k}", rec.get("seconds") or 0.0, "-", "-", note))
+    report.stages += stage_rows(manifest, args.rounds)
     print(f"first run (killed) {first:.0f} s, resume {second:.0f} s; working folder {tmp}")
     return 0 if report.print() else 1
 

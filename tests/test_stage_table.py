@@ -199,3 +199,27 @@ def test_every_published_manifest_reads_typed_and_as_the_report_and_scripts_read
     assert publish.publish_test(path.parent, tmp_path / "dest", written) == (
         publish.publish_test(path.parent, tmp_path / "dest", original)
     )
+
+
+def test_the_gpu_iterate_check_reads_the_manifest_typed(monkeypatch):
+    """scripts/check_gpu_iterate.py (run on a GPU only) reads its run's manifest through the
+    typed records: on the published expert-iteration run (a warm start, held-out games beside
+    generate) every round's checks pass, the held-out counts are checked, and the stage table
+    holds each stage's seconds and note."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its `from check_gpu_train import ...`
+    check = _script("check_gpu_iterate")
+    manifest = read_manifest(DATA / "manifest_ask-advice_published.json")
+    report = check.Report(cuda=False)
+    for k in range(2):
+        check.check_round(report, manifest, k)
+    check.check_heldout(report, manifest, 2, 96)
+    check.check_heldout(report, manifest, 2, 8)  # another count: the check fails
+    assert [ok for _, ok, _ in report.checks] == [True] * 5 + [False]
+    assert report.checks[1][2] == "kept 26 of 128, 26 rows"
+    rows = check.stage_rows(manifest, 2)
+    assert [r[0] for r in rows] == [
+        "warm start", "r0 generate", "r0 convert", "r0 train",
+        "r1 generate", "r1 convert", "r1 train", "heldout 0", "heldout 1", "heldout 2",
+    ]  # fmt: skip
+    assert rows[0][4] == "48 rows" and rows[1][4] == "with the held-out evaluation"
+    assert rows[-1][4] == "reward 0.707, 96 games"
