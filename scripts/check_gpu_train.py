@@ -147,7 +147,7 @@ def main() -> int:
     from selfplay.generate.config import GenerateConfig
     from selfplay.generate.runner import run_generate
     from selfplay.hardware import resolve_dtype
-    from selfplay.iterate.sft import SFTConfig, sft
+    from selfplay.iterate.warm_start import SFTConfig, sft
     from selfplay.models import build_tiny_model
     from selfplay.records import iter_game_records
     from selfplay.seats import SamplingParams

@@ -48,7 +48,7 @@ from selfplay.errors import UserError
 from selfplay.evaluate.config import EvalConfig
 from selfplay.generate.config import GenerateConfig
 from selfplay.iterate.config import IterateConfig
-from selfplay.iterate.sft import SFTConfig
+from selfplay.iterate.warm_start import SFTConfig
 from selfplay.train.config import TrainConfig, TrainerOptions
 
 __all__ = ["Fields", "OptionError", "build", "explain", "options"]  # and the commands' specs below

@@ -137,7 +137,7 @@ def test_the_human_games_ship_with_the_package(tmp_path, monkeypatch):
     """The default is the packaged copy (with its licence), whatever lies beside the project: the
     reference loads with no ../shared folder; `sft --human-data packaged` reads the same file."""
     import selfplay
-    from selfplay.iterate.sft import SFTConfig
+    from selfplay.iterate.warm_start import SFTConfig
 
     monkeypatch.delenv("SELFPLAY_HUMAN_DATA", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing of the repository around

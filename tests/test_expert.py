@@ -186,7 +186,7 @@ def _sha(model: Path) -> str:
 
 
 def test_mixed_warm_start_has_the_requested_games_of_each_source(tiny_model, tmp_path):
-    from selfplay.iterate.sft import SFTConfig, build_rows
+    from selfplay.iterate.warm_start import SFTConfig, build_rows
 
     chat = load_chat_format(str(tiny_model))
     cfg = SFTConfig(
@@ -244,7 +244,7 @@ def _config(model: Path, **fields):
 
 def test_a_warm_start_against_the_runs_partner_clones_only_the_models_seat(tiny_model, tmp_path):
     from selfplay.iterate.heldout import warm_start_config
-    from selfplay.iterate.sft import build_rows
+    from selfplay.iterate.warm_start import build_rows
 
     base = dict(
         name="w",

@@ -241,7 +241,7 @@ def test_a_games_default_limits_are_declared_once_and_every_config_takes_them():
     from selfplay.game.api import MAX_ACTIONS, MAX_INVALID
     from selfplay.generate.config import GenerateConfig
     from selfplay.iterate.config import IterateConfig
-    from selfplay.iterate.sft import SFTConfig
+    from selfplay.iterate.warm_start import SFTConfig
 
     for config in (GenerateConfig, EvalConfig, IterateConfig, SFTConfig):
         assert config.model_fields["max_actions"].default == MAX_ACTIONS, config

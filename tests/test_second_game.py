@@ -143,7 +143,7 @@ def test_the_second_game_gets_teacher_games_and_a_warm_start(registered, tiny_mo
     """Teacher games play through the rollout path for any game: sft's rows of the sum game's
     scripted teller, and iterate takes it as a warm start."""
     from selfplay.iterate.config import IterateConfig
-    from selfplay.iterate.sft import SFTConfig, build_rows
+    from selfplay.iterate.warm_start import SFTConfig, build_rows
     from selfplay.players.llm import load_chat_format
     from selfplay.records import iter_game_records
 

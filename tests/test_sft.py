@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from selfplay.cli import app
 from selfplay.game.matching import MATCHING
 from selfplay.generate.teacher import teacher_seed
-from selfplay.iterate.sft import SFTConfig, build_rows
+from selfplay.iterate.warm_start import SFTConfig, build_rows
 from selfplay.players.llm import load_chat_format
 from selfplay.records import iter_game_records
 from selfplay.seeds import eval_scenario_seed

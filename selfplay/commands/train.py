@@ -79,7 +79,7 @@ def sft_cmd(
     **opts,
 ) -> None:
     """Behaviour cloning: fine-tune on token-exact teacher rows with verl's SFT loss."""
-    from selfplay.iterate.sft import sft
+    from selfplay.iterate.warm_start import sft
     from selfplay.models import resolve_model
 
     cfg = build(SFT, opts, model=resolve_model(model))

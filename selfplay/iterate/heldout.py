@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def warm_start_config(cfg: IterateConfig):
     """The ``selfplay sft`` config of the run's warm start (``scripted:NAME:GAMES[,...]``)."""
-    from selfplay.iterate.sft import SFTConfig
+    from selfplay.iterate.warm_start import SFTConfig
 
     assert cfg.warm_start is not None  # its form was checked by the config
     against = {}
@@ -44,7 +44,7 @@ def warm_start_config(cfg: IterateConfig):
 
 def _warm_start_sft(cfg: IterateConfig) -> WarmStartInfo:
     """The warm-start stage's work (in a child): behaviour cloning of the scripted teacher."""
-    from selfplay.iterate.sft import sft
+    from selfplay.iterate.warm_start import sft
 
     result = sft(warm_start_config(cfg))
     losses = [s.loss for s in result.steps]
