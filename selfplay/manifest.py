@@ -32,6 +32,7 @@ from pydantic import (
 
 from selfplay.errors import UserError, first_problem
 from selfplay.game import DEFAULT_GAME, GameField
+from selfplay.game.api import TABLE_SIZE
 from selfplay.metrics import NAN, GameSummary, HeldOut
 
 MANIFEST_VERSION = 1
@@ -220,11 +221,11 @@ class RunSettings(BaseModel):
 
     model: str | None = None
     game: GameField = Field(DEFAULT_GAME, validate_default=True)  # a name in, the game out
-    table_size: int = 8
+    table_size: int = TABLE_SIZE
     partner: str | None = None
     policy_seat: Literal[1, 2] = 1
     eval_scenarios: int = 0
-    eval_seed: int = 7
+    eval_seed: int = 7  # what runs before the option had (iterate.config.ADDED_LATER)
     warm_start: str | None = None
 
 

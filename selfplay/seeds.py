@@ -31,9 +31,11 @@ TRAIN_SPACE = 0x5E1F_9A3E  # the first word of every training seed sequence
 EVAL_SPACE = 0x5E1F_E7A1  # the first word of every evaluation seed sequence (the dev split)
 TEST_SPACE = 0x5E1F_7E57  # the first word of every test-split seed sequence
 SPLITS = ("dev", "test")
+EVAL_SEED = 7  # the eval seed of ``selfplay eval`` and of a run's held-out scenarios unless given
 _SPACE = {"dev": EVAL_SPACE, "test": TEST_SPACE}
 
 __all__ = [
+    "EVAL_SEED",
     "EVAL_SPACE",
     "SPLITS",
     "TEST_SPACE",

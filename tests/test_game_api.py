@@ -257,3 +257,19 @@ def test_a_games_default_limits_are_declared_once_and_every_config_takes_them():
         if restated.search(line)
     ]
     assert found == [], "use selfplay.game.api.MAX_ACTIONS / MAX_INVALID"
+
+
+def test_the_default_table_size_and_eval_seed_are_declared_once():
+    """TABLE_SIZE (game.api) is the table size of every config that plays games and of a run's
+    settings when its manifest has none; EVAL_SEED (seeds) is eval's and iterate's eval seed."""
+    from selfplay.evaluate.config import EvalConfig
+    from selfplay.game.api import TABLE_SIZE
+    from selfplay.generate.config import GenerateConfig
+    from selfplay.iterate.config import IterateConfig
+    from selfplay.manifest import RunSettings
+    from selfplay.seeds import EVAL_SEED
+
+    for config in (GenerateConfig, EvalConfig, IterateConfig, RunSettings):
+        assert config.model_fields["table_size"].default == TABLE_SIZE, config
+    assert EvalConfig.model_fields["seed"].default == EVAL_SEED
+    assert IterateConfig.model_fields["eval_seed"].default == EVAL_SEED

@@ -34,6 +34,7 @@ from selfplay.hardware import ComputeDtype
 from selfplay.metrics import GameSummary
 from selfplay.players.partners import PartnerOptions, SelfPlay
 from selfplay.records import SamplingParams
+from selfplay.seeds import EVAL_SEED
 from selfplay.seeds import EVAL_SPACE as EVAL_SPACE  # re-exports: the held-out seed space
 from selfplay.seeds import eval_game_seed as eval_game_seed  # lived here before selfplay.seeds
 
@@ -95,7 +96,9 @@ class EvalConfig(PartnerOptions, PlayOptions):
         100, ge=1, description="Held-out scenarios; every row plays the same ones."
     )
     games_per_scenario: int = Field(1, ge=1, description="Games per scenario (needs sampling).")
-    seed: int = Field(7, ge=0, description="Eval seed: picks the held-out scenarios (odd seeds).")
+    seed: int = Field(
+        EVAL_SEED, ge=0, description="Eval seed: picks the held-out scenarios (odd seeds)."
+    )
     split: Split = Field(
         "dev",
         description="Held-out split: dev (per-round curves, what recipes are tuned on) or test "

@@ -46,6 +46,7 @@ from selfplay.seats import Player
 # The default limits of a game, declared once: every config, player and check takes these.
 MAX_ACTIONS = 30  # actions per game; a game that reaches it ends unagreed (Outcome.MAX_ACTIONS)
 MAX_INVALID = 3  # consecutive invalid actions of one seat that end a game (Outcome.INVALID)
+TABLE_SIZE = 8  # the table a game is played at unless one is given (matching's largest, 8x8)
 
 QuestionKind = Literal["direct", "general", "none"]
 QUESTION_KINDS: tuple[QuestionKind, ...] = ("direct", "general", "none")

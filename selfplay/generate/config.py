@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from selfplay.game import DEFAULT_GAME, GAMES, GameField, game_of
-from selfplay.game.api import MAX_ACTIONS, MAX_INVALID
+from selfplay.game.api import MAX_ACTIONS, MAX_INVALID, TABLE_SIZE
 from selfplay.players import partners
 from selfplay.records import SamplingParams
 
@@ -62,10 +62,7 @@ class PlayOptions(BaseModel):
         validate_default=True,
         description=f"The game to play: {', '.join(sorted(GAMES))} (selfplay.game).",
     )
-    table_size: int = Field(
-        8,
-        description=SIZE_HELP,
-    )
+    table_size: int = Field(TABLE_SIZE, description=SIZE_HELP)
     max_actions: int = Field(
         MAX_ACTIONS,
         ge=1,

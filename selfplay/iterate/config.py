@@ -23,6 +23,7 @@ from selfplay.game import DEFAULT_GAME, game_of
 from selfplay.game.api import DialogueGame
 from selfplay.game.matching import MATCHING
 from selfplay.generate.config import GenerateOptions
+from selfplay.seeds import EVAL_SEED
 from selfplay.train.config import TrainerOptions
 
 
@@ -153,7 +154,9 @@ class IterateConfig(GenerateOptions, ConvertOptions):
         30, ge=0, description="Held-out scenarios each round's model plays greedily (0: none)."
     )
     eval_seed: int = Field(
-        7, ge=0, description="Picks the held-out scenarios (dev split; the test split's too)."
+        EVAL_SEED,
+        ge=0,
+        description="Picks the held-out scenarios (dev split; the test split's too).",
     )
     test_scenarios: int = Field(
         0,

@@ -331,8 +331,9 @@ def write_report(
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     manifest = _run_manifest(run_dir)
-    n = n or (manifest.settings.table_size if manifest else 8)
-    game = (manifest.settings if manifest else RunSettings()).game
+    settings = manifest.settings if manifest else RunSettings()  # none: the defaults
+    n = n or settings.table_size
+    game = settings.game
     if not game.min_size <= n <= game.max_size:
         raise ReportError(
             f"--table-size {n}: the {game.name} game's sizes are {game.min_size} to {game.max_size}"
