@@ -93,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from selfplay.iterate.sft import SFTConfig, build_rows
+    from selfplay.iterate.warm_start import SFTConfig, build_rows
     from selfplay.models import resolve_model
     from selfplay.players.llm import load_chat_format
     from selfplay.train.config import TrainConfig
