@@ -302,6 +302,7 @@ def test_eval_writes_documented_outputs(tiny_model, tmp_path):
     assert coop["invalid_action_rate"] == 0.0
     md = (out / "eval.md").read_text()
     assert "human" not in md and "reward [95% CI]" in md and "![reward](reward.png)" in md
+    assert "of the **dev split**" in md  # every published figure names its split
     assert (out / "reward.png").stat().st_size > 1000
     assert not (out / "cross_play.png").exists()
     assert "held-out scenarios" in output and "eval.json" in output  # table and files

@@ -134,8 +134,9 @@ def markdown(result: EvalResult, plots: dict[str, Path]) -> str:
     lines = [
         "# selfplay eval",
         "",
-        f"{cfg.num_scenarios} held-out scenarios ({cfg.table_size}x{cfg.table_size}, "
-        f"eval seed {cfg.seed}; odd seeds, never a training scenario), "
+        f"{cfg.num_scenarios} held-out scenarios of the **{cfg.split} split** "
+        f"({cfg.table_size}x{cfg.table_size}, eval seed {cfg.seed}; odd seeds, never a training "
+        "scenario), "
         f"{cfg.games_per_scenario} game(s) per scenario, temperature {s.temperature}"
         + (" (greedy)" if s.temperature == 0 else f", top-p {s.top_p}")
         + f", at most {cfg.max_actions} actions. Seat 2: "
