@@ -8,7 +8,9 @@ alternating call by call in one process so that a shared machine's drift hits bo
    left-padding mask of a batch; also a plain sum over the same K and V, the bandwidth bound;
 2. a whole decoding step of the model (the engine's CPU layouts) over a cache of random KV of
    that width (no prefill: its values do not change a step's work), the flag
-   ``hf_cpu.GROUPED_DECODE`` switched step by step.
+   ``hf_cpu.GROUPED_DECODE`` switched step by step, and a third step with SDPA and the sibling
+   projections apart (``hf_cpu.FUSED_PROJECTIONS`` off: q, k, v and gate, up as separate
+   products), so the fused projections' gain is read in the same alternation.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--model embedded] [--rows 48]
         [--kv 470] [--repeats 10] [--threads N] [--dtype fp32|bf16]
@@ -82,7 +84,7 @@ def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]
 
     model = engine.model
     cache = Cache(
-        layers=[PreallocatedLayer(kv + 2 * repeats + 4) for _ in range(engine._cache_layers)]
+        layers=[PreallocatedLayer(kv + 3 * (repeats + 1) + 4) for _ in range(engine._cache_layers)]
     )
     attn = torch.ones(rows, kv, dtype=torch.long)
     for b in range(rows):
@@ -95,8 +97,8 @@ def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]
             k, v = torch.randn(2, rows, kv_heads, kv, dim).to(model.dtype)
             layer.update(k, v)
 
-        def step(grouped: bool):
-            hf_cpu.GROUPED_DECODE = grouped
+        def step(grouped: bool, fused: bool = True):
+            hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = grouped, fused
             state["attn"] = torch.cat([state["attn"], attn.new_ones((rows, 1))], dim=1)
             state["last"] = state["last"] + 1
             model(
@@ -107,11 +109,18 @@ def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]
                 use_cache=True,
             )
 
-        default = hf_cpu.GROUPED_DECODE
+        default = hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS
         try:
-            return alternate({"SDPA": lambda: step(False), "grouped": lambda: step(True)}, repeats)
+            return alternate(
+                {
+                    "SDPA": lambda: step(False),
+                    "grouped": lambda: step(True),
+                    "SDPA, projections apart": lambda: step(False, fused=False),
+                },
+                repeats,
+            )
         finally:
-            hf_cpu.GROUPED_DECODE = default
+            hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = default
 
 
 def main() -> None:

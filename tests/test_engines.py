@@ -444,6 +444,54 @@ def test_weight_major_linears_compute_each_linear_layer_to_float_rounding():
                     assert torch.equal(got.reshape(-1, 40), manual + bias)
 
 
+def test_fused_projections_hand_each_sibling_its_own_product_in_any_call_order():
+    """q, k, v (and gate, up) as one product: each sibling gets what its own layer computes,
+    whatever order the siblings are called in; another input, more rows than
+    WEIGHT_MAJOR_MAX_ROWS or the switch off fall back to the layer's own product; the weights
+    are views of one stacked tensor (no extra memory)."""
+    from selfplay.engines import hf_cpu
+
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    for name, out in (("q_proj", 16), ("k_proj", 8), ("v_proj", 8)):
+        setattr(block, name, torch.nn.Linear(24, out))
+    mlp = torch.nn.Module()
+    mlp.gate_proj, mlp.up_proj = torch.nn.Linear(24, 40, bias=False), torch.nn.Linear(24, 40, False)
+    model = torch.nn.ModuleList([block, mlp])
+    before = {n: (m.weight.clone(), m.bias) for n, m in model.named_modules() if n.count(".")}
+    hf_cpu.weight_major_linears(model)
+    hf_cpu.fuse_projections(model)
+    assert block.k_proj.weight.untyped_storage().data_ptr() == (
+        block.q_proj.weight.untyped_storage().data_ptr()
+    )
+
+    def want(name, x):
+        w, _ = before[name]
+        b = dict(model.named_modules())[name].bias
+        return torch.nn.functional.linear(x, w, b)
+
+    x, other = torch.randn(2, 3, 24), torch.randn(2, 3, 24)
+    with torch.inference_mode():
+        for order in (["0.q_proj", "0.v_proj", "0.k_proj"], ["1.gate_proj", "1.up_proj"]):
+            mods = dict(model.named_modules())
+            first, *rest = order
+            torch.testing.assert_close(mods[first](x), want(first, x), rtol=1e-5, atol=1e-5)
+            for name in rest:
+                got = mods[name](x)
+                assert got.shape == want(name, x).shape and got.is_contiguous()
+                torch.testing.assert_close(got, want(name, x), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(mods[name](other), want(name, other))  # not kept
+        big = torch.randn(hf_cpu.WEIGHT_MAJOR_MAX_ROWS + 1, 24)
+        block.q_proj(big)
+        assert torch.equal(block.k_proj(big), want("0.k_proj", big))
+        hf_cpu.FUSED_PROJECTIONS = False
+        try:
+            block.q_proj(x)
+            torch.testing.assert_close(block.v_proj(x), want("0.v_proj", x))
+        finally:
+            hf_cpu.FUSED_PROJECTIONS = True
+
+
 def test_hf_engine_on_cpu_runs_its_linear_layers_weight_major(hf):
     if hf.device.type != "cpu":
         pytest.skip("a CPU layout")

@@ -3,8 +3,8 @@
 The engine is built of parts, a module each: the decoding loop (``hf_decode``: padded batches
 that requests join while they run), the prefill (``hf_prefill``: a prompt fed after the KV kept
 for its start), the KV cache (``hf_kv``: the prefix cache and preallocated cache layers) and the
-CPU layouts (``hf_cpu``: grouped SDPA and weight-major linear layers). Their public names are
-importable from here too.
+CPU layouts (``hf_cpu``: grouped SDPA, weight-major linear layers, fused sibling projections).
+Their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfplay.engines import KEEP_MODEL_ENV, Generation, GenerationRequest, HFEngineConfig
 from selfplay.engines.batching import Batcher
-from selfplay.engines.hf_cpu import WEIGHT_MAJOR_MAX_ROWS, grouped_sdpa, weight_major_linears
+from selfplay.engines.hf_cpu import (
+    WEIGHT_MAJOR_MAX_ROWS,
+    fuse_projections,
+    grouped_sdpa,
+    weight_major_linears,
+)
 from selfplay.engines.hf_decode import DecodeLoop
 from selfplay.engines.hf_kv import (
     AUTO_PREFIX_MIN_TOKENS,
@@ -122,6 +127,7 @@ class HFEngine(DecodeLoop):
             if self.model.config._attn_implementation == "sdpa":
                 self.model.set_attn_implementation(grouped_sdpa())
             weight_major_linears(self.model)
+            fuse_projections(self.model)
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._pad_id = next(
             (

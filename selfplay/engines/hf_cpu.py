@@ -1,6 +1,7 @@
 """CPU layouts for the HF engine: attention that never copies KV heads (a decoding step's
-attention as one product per KV head over its group of query heads), and linear layers computed
-weight-major for a decoding step's few rows.
+attention as one product per KV head over its group of query heads), linear layers computed
+weight-major for a decoding step's few rows, and sibling projections (q, k, v; gate, up) as one
+product each.
 
 They change how a product is laid out, not what it is: results agree with transformers' own
 layers to float rounding. The engine installs them on CPU only.
@@ -112,3 +113,86 @@ def weight_major_linears(model) -> None:
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
             module.forward = forward.__get__(module)
+
+
+# True: sibling projections (see fuse_projections) run as one product; read at call time, so a
+# benchmark can alternate (benchmarks/bench_decode_attention.py).
+FUSED_PROJECTIONS = True
+
+# Linear layers of one module that take the same input: one product computes them all.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fuse_projections(model) -> None:
+    """Compute each layer's q, k and v projections as one product, and its gate and up
+    projections as another, for up to ``WEIGHT_MAJOR_MAX_ROWS`` fp32 rows.
+
+    The siblings take the same input one after the other, so one product over their stacked
+    weights (``W @ x^T``, as ``weight_major_linears``) replaces three or two small ones: the
+    input is read once and the machine runs one larger GEMM. The first sibling's call computes
+    every part and keeps the others for the siblings' calls on the same input tensor (``is``);
+    a call on any other input computes its own product. The layers' weights become views of the
+    stacked one, so the model takes no more memory. Same products, so results agree to float
+    rounding. Call after ``weight_major_linears`` (its forward is the fallback).
+    """
+    for module in model.modules():
+        for names in SIBLINGS:
+            linears = [getattr(module, name, None) for name in names]
+            if (
+                all(
+                    type(lin) is torch.nn.Linear and lin.weight.dtype == torch.float32
+                    for lin in linears
+                )
+                and len({lin.bias is None for lin in linears}) == 1
+            ):
+                _fuse(linears)
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> None:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        lin.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    sizes = [lin.out_features for lin in linears]
+    kept: dict = {}  # the input the parts were computed for, and the parts not yet handed out
+    fallbacks = [lin.forward for lin in linears]
+
+    def first(x):
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        kept.clear()
+        if not (
+            FUSED_PROJECTIONS and x.dtype == torch.float32 and 0 < rows <= WEIGHT_MAJOR_MAX_ROWS
+        ):
+            return fallbacks[0](x)
+        y = torch.mm(weight, x.reshape(rows, -1).t())
+        parts = []
+        for part, b in zip(
+            y.split(sizes), bias.split(sizes) if bias is not None else [None] * len(sizes)
+        ):
+            part = part.t().contiguous()
+            if b is not None:
+                part += b
+            parts.append(part.view(*x.shape[:-1], part.shape[-1]))
+        kept.update(x=x, parts=dict(enumerate(parts[1:], 1)))
+        return parts[0]
+
+    def sibling(i):
+        def forward(x):
+            if kept.get("x") is x and i in kept["parts"]:
+                part = kept["parts"].pop(i)
+                if not kept["parts"]:
+                    kept.clear()
+                return part
+            return fallbacks[i](x)
+
+        return forward
+
+    linears[0].forward = first
+    for i, lin in enumerate(linears[1:], 1):
+        lin.forward = sibling(i)
