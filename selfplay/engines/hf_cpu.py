@@ -89,6 +89,21 @@ def grouped_sdpa() -> str:
 WEIGHT_MAJOR_MAX_ROWS = 512
 
 
+def weight_major_rows(x: torch.Tensor) -> int:
+    """The rows of ``x`` when a linear layer over it runs weight-major (fp32, 1 to
+    ``WEIGHT_MAJOR_MAX_ROWS`` rows, the bound read at call time); 0: ``F.linear``."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return rows if x.dtype == torch.float32 and 0 < rows <= WEIGHT_MAJOR_MAX_ROWS else 0
+
+
+def _as_linear(product: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``W @ x^T`` (outputs x rows) laid out as ``F.linear(x, W, bias)`` returns it."""
+    y = product.t().contiguous()
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def weight_major_linears(model) -> None:
     """Make the model's fp32 linear layers compute ``(W @ x^T)^T`` for up to
     ``WEIGHT_MAJOR_MAX_ROWS`` rows (a decoding step's rows, a prefill's last tokens).
@@ -103,13 +118,10 @@ def weight_major_linears(model) -> None:
     """
 
     def forward(self, x):
-        rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if x.dtype != torch.float32 or not 0 < rows <= WEIGHT_MAJOR_MAX_ROWS:
+        rows = weight_major_rows(x)
+        if not rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()
-        if self.bias is not None:
-            y += self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return _as_linear(torch.mm(self.weight, x.reshape(rows, -1).t()), self.bias, x)
 
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
@@ -151,8 +163,9 @@ def fuse_projections(model) -> None:
 
 def _fuse(linears: list[torch.nn.Linear]) -> None:
     weight = torch.cat([lin.weight.detach() for lin in linears])
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    bias = (
+        torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    )
     start = 0
     for lin in linears:
         end = start + lin.out_features
@@ -165,21 +178,13 @@ def _fuse(linears: list[torch.nn.Linear]) -> None:
     fallbacks = [lin.forward for lin in linears]
 
     def first(x):
-        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        rows = weight_major_rows(x)
         kept.clear()
-        if not (
-            FUSED_PROJECTIONS and x.dtype == torch.float32 and 0 < rows <= WEIGHT_MAJOR_MAX_ROWS
-        ):
+        if not (FUSED_PROJECTIONS and rows):
             return fallbacks[0](x)
         y = torch.mm(weight, x.reshape(rows, -1).t())
-        parts = []
-        for part, b in zip(
-            y.split(sizes), bias.split(sizes) if bias is not None else [None] * len(sizes)
-        ):
-            part = part.t().contiguous()
-            if b is not None:
-                part += b
-            parts.append(part.view(*x.shape[:-1], part.shape[-1]))
+        biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
+        parts = [_as_linear(part, b, x) for part, b in zip(y.split(sizes), biases)]
         kept.update(x=x, parts=dict(enumerate(parts[1:], 1)))
         return parts[0]
 
