@@ -33,8 +33,8 @@ from selfplay.players.partners import (
     OpenAIPartner,
     ScriptedPartner,
     SelfPlay,
-    canonical_partner,
     parse_partner,
+    stored_partner,
 )
 from selfplay.records import GameRecord, ReadReport, SamplingParams, iter_game_records
 from tests.chat_standin import ChatStandIn
@@ -71,8 +71,9 @@ QUESTION = "[message] What is the score of Ava Li on BLEU?"
 def test_parse_partner(text, spec, canonical):
     names = MATCHING.scripted_names
     assert parse_partner(text, names) == spec
-    assert canonical_partner(text, names) == canonical
-    assert canonical_partner(canonical, names) == canonical  # idempotent: stored values re-parse
+    assert stored_partner(parse_partner(text, names)) == canonical
+    # idempotent: stored values re-parse
+    assert stored_partner(parse_partner(canonical, names)) == canonical
 
 
 @pytest.mark.parametrize(

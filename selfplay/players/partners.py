@@ -1,9 +1,9 @@
 """Who sits across from the model: `--partner self|scripted:NAME|openai:MODEL`, `--policy-seat`.
 
 ``parse_partner`` turns the option into one typed spec (``SelfPlay``, ``ScriptedPartner`` or
-``OpenAIPartner``) that callers ``match`` on; ``canonical_partner`` gives the form stored in configs
-and snapshots: ``None`` for self-play, the bare scripted name (``"shy"``, as before the prefix
-existed, so older run folders still resume) or ``"openai:MODEL"``. A bare scripted name is
+``OpenAIPartner``) that callers ``match`` on; ``stored_partner`` gives a spec's form stored in
+configs and snapshots: ``None`` for self-play, the bare scripted name (``"shy"``, as before the
+prefix existed, so older run folders still resume) or ``"openai:MODEL"``. A bare scripted name is
 accepted as an alias of ``scripted:NAME``.
 
 ``PartnerField`` is the type of a config's ``partner``: it parses the text once, against the
@@ -88,11 +88,6 @@ def parse_partner(text: str | None, scripted_names: Sequence[str]) -> PartnerSpe
             return OpenAIPartner(rest)
         case _:
             raise ValueError(f"unknown partner {raw!r}; use {PARTNER_FORMS}")
-
-
-def canonical_partner(text: str | None, scripted_names: Sequence[str]) -> str | None:
-    """The stored form: None (self-play), a bare scripted name, or ``openai:MODEL``."""
-    return stored_partner(parse_partner(text, scripted_names))
 
 
 def stored_partner(spec: PartnerSpec) -> str | None:
