@@ -224,11 +224,12 @@ def test_mixed_warm_start_has_the_requested_games_of_each_source(tiny_model, tmp
     ],
 )
 def test_a_bad_mixed_warm_start_is_a_clear_error(spec, error):
+    from selfplay.game.matching import MATCHING
     from selfplay.iterate.config import parse_warm_start
 
     with pytest.raises(ValueError, match=error):
-        parse_warm_start(spec)
-    assert parse_warm_start("scripted:cooperative:24,scripted:inquisitive:4") == (
+        parse_warm_start(spec, MATCHING)
+    assert parse_warm_start("scripted:cooperative:24,scripted:inquisitive:4", MATCHING) == (
         ("cooperative", 24),
         ("inquisitive", 4),
     )

@@ -21,7 +21,6 @@ from selfplay.errors import UserError
 from selfplay.fileio import check_name
 from selfplay.game import DEFAULT_GAME, game_of
 from selfplay.game.api import DialogueGame
-from selfplay.game.matching import MATCHING
 from selfplay.generate.config import GenerateOptions
 from selfplay.seeds import EVAL_SEED
 from selfplay.train.config import TrainerOptions
@@ -370,7 +369,7 @@ def config_identity(dump: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_warm_start(spec: str, game: DialogueGame = MATCHING) -> tuple[tuple[str, int], ...]:
+def parse_warm_start(spec: str, game: DialogueGame) -> tuple[tuple[str, int], ...]:
     """``scripted:NAME:GAMES[,scripted:NAME:GAMES...]`` -> ((NAME, GAMES), ...), NAME a scripted
     player of ``game``; ValueError naming the accepted forms."""
     from selfplay.generate.teacher import teacher_sources
