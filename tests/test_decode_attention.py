@@ -120,3 +120,59 @@ def test_a_models_decoding_steps_are_the_same_with_grouped_attention(tiny_model)
     grouped, plain = (_decode_logits(engine.model, flag) for flag in (True, False))
     for a, b in zip(grouped, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 6, 32), (8, 1, 16)])
+@pytest.mark.parametrize("masking", ["none", "bool"])
+def test_cascade_decode_attention_is_sdpa_over_every_rows_copy_to_1e5(
+    heads, kv_heads, dim, masking
+):
+    """Rows whose first columns hold the same KV (the engine's shared prefix), then padding
+    after them and their own tokens: attending to row 0's prefix once for all rows and to each
+    row's own columns apart, merged by log-sum-exp, is SDPA over every row's whole cache."""
+    from selfplay.engines.hf_cpu import SharedPrefix, cascade_decode_attention
+
+    g = torch.Generator().manual_seed(heads * 10 + dim)
+    rows, length, shared = 6, 90, 70
+    query = torch.randn(rows, heads, 1, dim, generator=g)
+    key = _cache_view(rows, kv_heads, length, dim, g)
+    value = _cache_view(rows, kv_heads, length, dim, g)
+    key[:, :, :shared] = key[:1, :, :shared]  # every row's copy of the prefix
+    value[:, :, :shared] = value[:1, :, :shared]
+    mask = None
+    if masking == "bool":
+        mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+        for b in range(rows):
+            mask[b, ..., shared : shared + (3 * b) % 15] = False  # padding after the prefix
+    for scale in (None, 0.3):
+        prefix = SharedPrefix(shared)
+        want = sdpa(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        got = cascade_decode_attention(query, key, value, mask, scale, prefix)
+        assert got.shape == want.shape == (rows, heads, 1, dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a different prefix in one row would be ignored: the cascade reads row 0's only
+    key[3, :, :shared] += 1.0
+    got = cascade_decode_attention(query, key, value, mask, None, SharedPrefix(shared))
+    want = sdpa(query, key, value, attn_mask=mask, enable_gqa=True)
+    assert not torch.allclose(got[3], want[3], atol=1e-3)
+    torch.testing.assert_close(got[:3], want[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_hands_the_shared_prefix_to_every_layers_attention(tiny_model):
+    """The engine lays batches out for the cascade only where the model passes its keyword
+    arguments down to attention: the tiny Qwen2 does, every layer; a model whose forward takes
+    no such keyword does not."""
+    from selfplay.engines import HFEngineConfig
+    from selfplay.engines.hf import HFEngine
+    from selfplay.engines.hf_cpu import passes_shared_prefix
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32"))
+    assert passes_shared_prefix(engine.model) and engine._shared_layout
+
+    class Strict(torch.nn.Module):
+        config = engine.model.config
+
+        def forward(self, input_ids):
+            return engine.model(input_ids=input_ids)
+
+    assert not passes_shared_prefix(Strict())

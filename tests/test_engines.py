@@ -292,6 +292,56 @@ def test_hf_requests_join_a_running_batch_and_match_single_requests(hf):
             assert_same_generations(got, want)
 
 
+def test_hf_batches_that_share_a_prefix_attend_to_it_once_and_match_single_requests(hf):
+    """Games that all start with the same rules (as a recipe's do): their batches keep those
+    tokens in the first columns, decoding steps attend to them once for all rows (the CPU's
+    cascade attention), later turns join running batches with the shared columns kept, and
+    every turn equals the same request run alone with the cache off."""
+    from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX
+
+    rules = "Rules: assign reviewers to papers; Ava Li on BLEU 320, Sofia Patel on GloVe 122. " * 4
+    long_req = GenerationRequest(prompt(hf, rules + "tell a long story"), 120, temperature=0.0)
+    starts = [
+        GenerationRequest(prompt(hf, rules + f"game {i}"), 4, temperature=0.8, seed=i)
+        for i in range(4)
+    ]
+    engine = fresh(hf)
+    assert engine._shared_layout  # CPU, the tiny Qwen2 passes it down (test_decode_attention)
+
+    async def game(req: GenerationRequest, turns: int):
+        out = []
+        for t in range(turns):
+            gen = await engine.generate(req)
+            out.append((req, gen))
+            req = extend(req, gen, prompt(hf, f"[message] turn {t}"), max_new_tokens=4 + t)
+        return out
+
+    async def go():
+        try:
+            return await asyncio.gather(engine.generate(long_req), *(game(r, 4) for r in starts))
+        finally:
+            await engine.aclose()
+
+    long_gen, *games = run(go())
+    shared = common_prefix_len([long_req.prompt_ids, *(r.prompt_ids for r in starts)])
+    assert shared >= MIN_CASCADE_PREFIX
+    assert engine.shared_decode_steps > 0 and engine._batcher.joined >= 3
+    off = fresh(hf, prefix_cache_tokens=0)  # (no kept KV, so no shared columns either)
+    (want,) = run(gather_close(fresh(off), [long_req]))
+    assert_same_generations(long_gen, want)
+    for turns in games:
+        for req, got in turns:
+            (want,) = run(gather_close(fresh(off), [req]))
+            assert_same_generations(got, want)
+
+
+def common_prefix_len(seqs) -> int:
+    from selfplay.engines.hf_prefill import common_prefix
+
+    seqs = [tuple(s) for s in seqs]
+    return common_prefix(min(seqs), max(seqs))
+
+
 def test_shared_prefix_groups_and_length_buckets():
     from selfplay.engines.hf_prefill import MIN_SHARED_PREFIX, length_buckets, shared_prefix_groups
 

@@ -23,6 +23,7 @@ from selfplay.engines.hf_cpu import (
     WEIGHT_MAJOR_MAX_ROWS,
     fuse_projections,
     grouped_sdpa,
+    passes_shared_prefix,
     weight_major_linears,
 )
 from selfplay.engines.hf_decode import DecodeLoop
@@ -149,7 +150,16 @@ class HFEngine(DecodeLoop):
         # and decode_kv_slots follow from them
         self.decode_batches: Counter[int] = Counter()
         self.decode_kv_by_rows: Counter[int] = Counter()
+        self.shared_decode_steps = 0  # steps that read the batch's shared prefix once (cascade)
         self._cache_layers = plain_cache_layers(self.model)
+        # batches laid out with their shared prefix in the first columns, which decoding attends
+        # to once for all rows (hf_cpu's cascade attention; CPU only)
+        self._shared_layout = (
+            self.device.type == "cpu"
+            and bool(self._cache_layers)
+            and self.model.config._attn_implementation == grouped_sdpa()
+            and passes_shared_prefix(self.model)
+        )
         budget = config.prefix_cache_tokens
         if budget is None:
             budget = auto_prefix_budget(self.model, str(self.device))

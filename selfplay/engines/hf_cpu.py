@@ -1,5 +1,6 @@
 """CPU layouts for the HF engine: attention that never copies KV heads (a decoding step's
-attention as one product per KV head over its group of query heads), linear layers computed
+attention as one product per KV head over its group of query heads), a decoding step's attention
+over the batch's shared prefix read once for all rows (cascade), linear layers computed
 weight-major for a decoding step's few rows, and sibling projections (q, k, v; gate, up) as one
 product each.
 
@@ -49,6 +50,75 @@ def grouped_decode_attention(query, key, value, mask=None, scale=None):
     return torch.matmul(probs, value).view(b, h, 1, d)
 
 
+# True: a decoding step whose batch shares a prefix (``SharedPrefix``) attends to it as
+# ``cascade_decode_attention``; read at call time, so a benchmark can alternate.
+CASCADE = True
+# Shorter shared prefixes are attended to with the rest: a second attention call per layer costs
+# about what reading this many more positions a row does.
+MIN_CASCADE_PREFIX = 64
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class SharedPrefix:
+    """What a decoding step's model call passes its attention (the keyword argument
+    ``SHARED_PREFIX``): the batch's first ``length`` KV columns hold the same tokens in every row
+    (the engine lays its batches out so), so attention reads them once, from row 0. ``seen``
+    counts the layers whose attention got it, so the engine can tell a model that does not hand
+    its keyword arguments down to attention (``passes_shared_prefix``)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.seen = 0
+        self._mask: tuple = (None, None)  # (the step's boolean mask, its additive cut): one a step
+
+
+SHARED_PREFIX = "selfplay_shared_prefix"
+
+
+def passes_shared_prefix(model) -> bool:
+    """Whether every attention layer of ``model`` gets a ``SharedPrefix`` passed to the model
+    call (its attention must be ``grouped_sdpa``'s): a one-token forward pass counts them. A
+    model that does not would attend to every row's own copy of the prefix: the same result, no
+    saving, so the engine keeps its usual layout for it."""
+    probe = SharedPrefix(0)
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long), **{SHARED_PREFIX: probe})
+    except TypeError:  # a model whose forward takes no such keyword
+        return False
+    layers = model.config.get_text_config().num_hidden_layers
+    return probe.seen == layers
+
+
+def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefix):
+    """Attention of one new token a row over its KV cache when the first ``shared.length``
+    columns of every row hold the same tokens: those are attended to once for all rows (every
+    row's query heads as one sequence of queries over row 0's prefix: a product rather than one
+    per row), the rest per row, and the two merged by their log-sum-exps. ``[B, H, 1, D]``
+    queries over ``[B, Hkv, L, D]`` keys and values (GQA read per KV head by torch's CPU flash
+    kernel); ``mask`` is SDPA's boolean mask ``[B, 1, 1, L]`` (True: attend) or None. Exact up to
+    float rounding: the softmax over the two parts is split and rejoined, not changed."""
+    b, h, _, d = query.shape
+    p = shared.length
+    shared_q = query.transpose(0, 2)  # [1, H, B, D]: every row's query over the one prefix
+    o_shared, lse_shared = _flash(shared_q, key[:1, :, :p], value[:1, :, :p], scale=scale)
+    cut = None
+    if mask is not None:
+        if shared._mask[0] is not mask:  # every layer of a step gets the same mask tensor
+            own = mask[..., p:]
+            if own.dtype == torch.bool:  # the flash kernel takes an additive mask
+                own = torch.zeros(own.shape, dtype=query.dtype).masked_fill_(~own, float("-inf"))
+            shared._mask = (mask, own.to(query.dtype))
+        cut = shared._mask[1]
+    o_own, lse_own = _flash(query, key[:, :, p:], value[:, :, p:], attn_mask=cut, scale=scale)
+    o_shared = o_shared[0].transpose(0, 1)  # [B, H, D]
+    weight = torch.sigmoid(lse_shared[0].transpose(0, 1) - lse_own.view(b, h))[..., None]
+    o_own = o_own.view(b, h, d)
+    out = o_own + weight * (o_shared - o_own)
+    return out.to(query.dtype).view(b, h, 1, d)
+
+
 def grouped_sdpa() -> str:
     """Register and name SDPA attention that never copies KV heads for query groups.
 
@@ -62,6 +132,18 @@ def grouped_sdpa() -> str:
     """
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        shared = kw.get(SHARED_PREFIX)
+        if shared is not None:
+            shared.seen += 1
+        if (
+            CASCADE
+            and shared is not None
+            and shared.length >= MIN_CASCADE_PREFIX
+            and query.shape[2] == 1
+            and not dropout
+        ):
+            out = cascade_decode_attention(query, key, value, attention_mask, scaling, shared)
+            return out.transpose(1, 2).contiguous(), None
         if GROUPED_DECODE and query.shape[2] == 1 and not dropout:
             out = grouped_decode_attention(query, key, value, attention_mask, scaling)
             return out.transpose(1, 2).contiguous(), None

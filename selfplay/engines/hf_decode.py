@@ -20,21 +20,24 @@ from transformers import Cache
 
 from selfplay.engines import EngineRequestError, Generation, GenerationRequest, HFEngineConfig
 from selfplay.engines.batching import Batcher, Reply
+from selfplay.engines import hf_cpu
+from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX, SHARED_PREFIX, SharedPrefix
 from selfplay.engines.hf_kv import PreallocatedLayer, pad_left, row_kv
-from selfplay.engines.hf_prefill import Prefill
+from selfplay.engines.hf_prefill import Prefill, common_prefix
 
 
 class DecodeLoop(Prefill):
     """The decoding half of ``HFEngine`` (a base class: the engine sets, besides what
     ``Prefill`` names, ``config``, ``tokenizer``, ``max_context``, ``_batcher`` (whose worker
-    thread runs ``_run_batch``) and the counters ``generated_tokens``, ``decode_batches`` and
-    ``decode_kv_by_rows``)."""
+    thread runs ``_run_batch``) and the counters ``generated_tokens``, ``decode_batches``,
+    ``decode_kv_by_rows`` and ``shared_decode_steps``)."""
 
     config: HFEngineConfig
     max_context: int | None
     generated_tokens: int
     decode_batches: Counter[int]
     decode_kv_by_rows: Counter[int]
+    shared_decode_steps: int
     _batcher: Batcher
 
     def _run_batch(self, requests: list[GenerationRequest], replies: list[Reply]) -> None:
@@ -88,14 +91,21 @@ class DecodeLoop(Prefill):
             run.last_pos = run.last_pos + 1
             if self.max_context is not None:  # a dead row's position may run past the context
                 run.last_pos = run.last_pos.clamp(max=self.max_context - 1)
-            self.decode_batches[run.attn.shape[0]] += 1
-            self.decode_kv_by_rows[run.attn.shape[0]] += run.attn.numel()
+            rows, read = run.attn.shape[0], run.attn.numel()
+            extra = {}
+            if run.shared and hf_cpu.CASCADE:  # the shared columns are read once, not per row
+                extra[SHARED_PREFIX] = SharedPrefix(run.shared)
+                read -= (rows - 1) * run.shared
+                self.shared_decode_steps += 1
+            self.decode_batches[rows] += 1
+            self.decode_kv_by_rows[rows] += read
             out = self.model(
                 input_ids=run.tok[:, None],
                 attention_mask=run.attn,
                 position_ids=run.last_pos[:, None],
                 past_key_values=run.cache,
                 use_cache=True,
+                **extra,
             )
             run.logits = out.logits[:, -1, :]
 
@@ -117,7 +127,7 @@ class DecodeLoop(Prefill):
         # Identical prompts (the games of a GRPO group all start alike) are prefilled once.
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in requests]
-        cache, logits, attn, last_pos = self._prefill(list(first), max(budget))
+        cache, logits, attn, last_pos, shared = self._prefill(list(first), max(budget))
         if len(first) < len(requests):
             index = torch.tensor(source, device=dev)
             cache.batch_select_indices(index)
@@ -138,6 +148,8 @@ class DecodeLoop(Prefill):
             temps=torch.tensor([r.temperature for r in requests], device=dev),
             top_p=torch.tensor([r.top_p for r in requests], device=dev),
             tok=logits.new_zeros(0, dtype=torch.long),
+            shared=shared,
+            shared_ids=tuple(requests[0].prompt_ids[:shared]),
         )
 
     def _sample_step(self, run: _Running) -> None:
@@ -180,9 +192,12 @@ class DecodeLoop(Prefill):
 
     def _merge(self, a: _Running, b: _Running) -> _Running:
         """One running batch of ``a``'s live rows then ``b``'s (dead ones dropped): each row's
-        KV and mask left-padded to the longer of the two, in a cache with room for every row's
-        remaining budget."""
+        KV and mask padded to the longer of the two after the columns both batches share (left-
+        padded where they share fewer than ``MIN_CASCADE_PREFIX``), in a cache with room for
+        every row's remaining budget."""
         width = max(a.attn.shape[1], b.attn.shape[1])
+        keep = common_prefix(a.shared_ids, b.shared_ids)
+        keep = keep if keep >= MIN_CASCADE_PREFIX else 0
         live = [torch.tensor(x.live_positions(), device=self.device) for x in (a, b)]
         offset = len(a.requests)
         for name in ("requests", "replies", "budget", "gens", "stops", "out_ids", "out_lp"):
@@ -192,11 +207,16 @@ class DecodeLoop(Prefill):
         room = max(a.budget[row] - len(a.out_ids[row]) for row in a.active)
         a.cache = Cache(
             layers=[
-                PreallocatedLayer.stacked([(la, live[0]), (lb, live[1])], width, width + room)
+                PreallocatedLayer.stacked(
+                    [(la, live[0]), (lb, live[1])], width, width + room, keep=keep
+                )
                 for la, lb in zip(a.cache.layers, b.cache.layers)
             ]
         )
-        a.attn = torch.cat([pad_left(x.attn[i], width, dim=1) for x, i in zip((a, b), live)])
+        a.attn = torch.cat(
+            [pad_left(x.attn[i], width, dim=1, keep=keep) for x, i in zip((a, b), live)]
+        )
+        a.shared, a.shared_ids = keep, a.shared_ids[:keep]
         for name in ("last_pos", "temps", "top_p", "tok"):  # (the logits: sampled already)
             setattr(a, name, torch.cat([getattr(x, name)[i] for x, i in zip((a, b), live)]))
         return a
@@ -221,7 +241,9 @@ class _Running:
     """A batch being decoded. Lists are by row (the order the requests came in, joined ones
     after); ``active`` names the row at each batch position, and the tensors (the KV cache, the
     attention mask, the next logits or sampled tokens, positions, sampling settings) follow the
-    batch positions; a finished row's position holds -1 until the batch drops it."""
+    batch positions; a finished row's position holds -1 until the batch drops it. The first
+    ``shared`` KV columns hold the same tokens (``shared_ids``) in every row (``hf_prefill``'s
+    layout; 0: none), which decoding attends to once for all rows."""
 
     requests: list[GenerationRequest]
     replies: list[Reply]
@@ -238,6 +260,8 @@ class _Running:
     temps: torch.Tensor
     top_p: torch.Tensor
     tok: torch.Tensor
+    shared: int
+    shared_ids: tuple[int, ...]
 
     def live_positions(self) -> list[int]:
         """Batch positions of the rows still decoding (a finished row stays as -1 until the

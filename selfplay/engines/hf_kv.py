@@ -21,14 +21,16 @@ from selfplay.hardware import available_memory
 log = logging.getLogger(__name__)
 
 
-def pad_left(x: torch.Tensor, width: int, *, dim: int) -> torch.Tensor:
-    """``x`` with zeros before it along ``dim`` up to ``width``."""
+def pad_left(x: torch.Tensor, width: int, *, dim: int, keep: int = 0) -> torch.Tensor:
+    """``x`` with zeros inserted along ``dim`` after its first ``keep`` entries (before it
+    where ``keep`` is 0), up to ``width``."""
     missing = width - x.shape[dim]
     if missing == 0:
         return x
     shape = list(x.shape)
     shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
+    head, tail = x.narrow(dim, 0, keep), x.narrow(dim, keep, x.shape[dim] - keep)
+    return torch.cat([head, x.new_zeros(shape), tail], dim=dim)
 
 
 class PrefixCache:
@@ -167,10 +169,15 @@ class PreallocatedLayer(DynamicLayer):
 
     @classmethod
     def stacked(
-        cls, parts: list[tuple[DynamicLayer, torch.Tensor]], width: int, capacity: int
+        cls,
+        parts: list[tuple[DynamicLayer, torch.Tensor]],
+        width: int,
+        capacity: int,
+        keep: int = 0,
     ) -> PreallocatedLayer:
         """One layer holding the selected rows of each part ``(layer, row indices)`` in order,
-        each part's tokens left-padded (zeros) to ``width``, with room for ``capacity``."""
+        each part's tokens padded (zeros) to ``width`` after their first ``keep`` columns (the
+        shared prefix stays where it is; 0: left-padded), with room for ``capacity``."""
         first = parts[0][0].keys
         rows = sum(len(index) for _, index in parts)
         shape = (rows, first.shape[1], capacity, first.shape[-1])
@@ -180,11 +187,13 @@ class PreallocatedLayer(DynamicLayer):
         row = 0
         for p, index in parts:
             n, length = len(index), p.keys.shape[-2]
+            start = width - (length - keep)  # where the part's columns after ``keep`` go
             for room, part in ((layer._keys, p.keys), (layer._values, p.values)):
-                room[row : row + n, :, : width - length] = 0
-                torch.index_select(
-                    part, 0, index, out=room[row : row + n, :, width - length : width]
-                )
+                room[row : row + n, :, keep:start] = 0
+                for a, b, to in ((0, keep, 0), (keep, length, start)):
+                    torch.index_select(
+                        part[..., a:b, :], 0, index, out=room[row : row + n, :, to : to + b - a]
+                    )
             row += n
         layer.keys, layer.values = layer._keys[..., :width, :], layer._values[..., :width, :]
         return layer

@@ -13,7 +13,13 @@ to the longest one and the new tokens are left-padded after it:
 
 The 2-D attention mask is 0 on every pad, so the hole in the middle is never attended to (the
 causal mask compares indices, which keep the order of a row's real tokens), and position ids
-are passed explicitly, counting each row's real tokens. Reused KV equals a full prefill's up to
+are passed explicitly, counting each row's real tokens. Where the engine decodes with a shared
+prefix (``_shared_layout``: the CPU's cascade attention), the tokens that every prompt of the
+batch starts with, and every row has kept, stay in the first columns and the padding goes after
+them, so that those columns hold the same tokens in every row:
+
+    shared prefix p: [p0 p1 | pad c2 c3 | pad s0 s1]
+                     [p0 p1 | c2 c3 c4 | pad pad s0] Reused KV equals a full prefill's up to
 float rounding (it was computed in another batch), not bit for bit.
 
 Two more passes keep a batch's prefill from computing what it need not (prefix cache on):
@@ -33,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, DynamicCache
 
+from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX
 from selfplay.engines.hf_kv import PreallocatedLayer, PrefixCache, kv_length, row_kv
 
 # Shorter common prefixes are not worth a pass of their own, nor are long rows prefilled apart
@@ -54,13 +61,15 @@ class Prefill:
     prefill_slots: int
     _pad_id: int
     _cache_layers: int
+    _shared_layout: bool
 
     def _prefill(
         self, prompts: list[tuple[int, ...]], room: int
-    ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Feed the prompts through the model, each after its longest kept prefix (the layout of
-        the module docstring): (cache, last logits, attention mask, last positions) per prompt.
-        ``room``: the tokens that decoding may add."""
+        the module docstring): (cache, last logits, attention mask, last positions) per prompt,
+        and how many first columns every row shares. ``room``: the tokens that decoding may
+        add."""
         kept: list[torch.Tensor | None] = [None] * len(prompts)
         if self.prefix_cache is not None:
             kept = [self.prefix_cache.take(p) for p in prompts]
@@ -68,29 +77,32 @@ class Prefill:
             kept = self._share_prefixes(prompts, kept)
             kept = self._prefill_long_rows_apart(prompts, kept)
         self.prefilled_tokens += sum(len(p) - kv_length(kv) for p, kv in zip(prompts, kept))
-        cache, logits, attn, positions = self._forward(prompts, kept, room)
-        return cache, logits, attn, positions[:, -1]
+        cache, logits, attn, positions, shared = self._forward(prompts, kept, room)
+        return cache, logits, attn, positions[:, -1], shared
 
     def _forward(
         self, seqs: Sequence[Sequence[int]], kept: list[torch.Tensor | None], room: int
-    ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Cache, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """One padded pass over ``seqs``, each after its kept KV: (cache with room for ``room``
-        more tokens, last logits, attention mask, positions of the new tokens)."""
+        more tokens, last logits, attention mask, positions of the new tokens, first columns
+        shared by every row)."""
         dev = self.device
         n = len(seqs)
         reused = [kv_length(kv) for kv in kept]
         new = [len(p) - c for p, c in zip(seqs, reused)]
         past, width = max(reused), max(new)
+        shared = shared_columns(seqs, reused) if self._shared_layout else 0
         self.prefill_slots += n * width
         ids = torch.full((n, width), self._pad_id, dtype=torch.long)
         attn = torch.zeros((n, past + width), dtype=torch.long)
+        attn[:, :shared] = 1
         for i, p in enumerate(seqs):
             ids[i, width - new[i] :] = torch.tensor(p[reused[i] :])
-            attn[i, past - reused[i] : past] = 1
+            attn[i, past - reused[i] + shared : past] = 1
             attn[i, past + width - new[i] :] = 1
         ids, attn = ids.to(dev), attn.to(dev)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        cache = self._batch_cache(kept, past, past + width + room)
+        cache = self._batch_cache(kept, past, past + width + room, shared)
         out = self.model(
             input_ids=ids,
             attention_mask=attn,
@@ -99,13 +111,13 @@ class Prefill:
             use_cache=True,
             logits_to_keep=1,
         )
-        return cache, out.logits[:, -1, :], attn, positions
+        return cache, out.logits[:, -1, :], attn, positions, shared
 
     def _kv_of(
         self, seqs: Sequence[Sequence[int]], kept: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
         """Each sequence's KV over all its tokens (one pass, its kept KV reused)."""
-        cache, _, attn, _ = self._forward(seqs, kept, 0)
+        cache, _, attn, _, _ = self._forward(seqs, kept, 0)
         return [row_kv(cache, b, attn[b]) for b in range(len(seqs))]
 
     def _share_prefixes(
@@ -148,9 +160,12 @@ class Prefill:
                 kept[i] = kv
         return kept
 
-    def _batch_cache(self, kept: list[torch.Tensor | None], past: int, capacity: int) -> Cache:
-        """The batch's KV cache, room for ``capacity`` tokens, each row's kept KV left-padded to
-        ``past`` tokens (zeros) in it; a plain DynamicCache for models with other layers."""
+    def _batch_cache(
+        self, kept: list[torch.Tensor | None], past: int, capacity: int, shared: int
+    ) -> Cache:
+        """The batch's KV cache, room for ``capacity`` tokens, each row's kept KV padded to
+        ``past`` tokens (zeros) after its first ``shared`` (left-padded where 0); a plain
+        DynamicCache for models with other layers."""
         if not self._cache_layers:
             return DynamicCache(config=self.model.config)
         cache = Cache(layers=[PreallocatedLayer(capacity) for _ in range(self._cache_layers)])
@@ -160,7 +175,8 @@ class Prefill:
             kv = some.new_zeros((layers, 2, len(kept), heads, past, dim))
             for i, row in enumerate(kept):
                 if row is not None:
-                    kv[:, :, i, :, past - row.shape[-2] :] = row
+                    kv[:, :, i, :, :shared] = row[..., :shared, :]
+                    kv[:, :, i, :, past - row.shape[-2] + shared :] = row[..., shared:, :]
             for layer, (keys, values) in zip(cache.layers, kv):
                 layer.update(keys, values)
         return cache
@@ -205,6 +221,16 @@ def shared_prefix_groups(prompts: list[tuple[int, ...]]) -> list[tuple[int, int,
         groups.append((i, j, length))
         j = i
     return groups[::-1]
+
+
+def shared_columns(seqs: Sequence[Sequence[int]], reused: list[int]) -> int:
+    """How many first tokens every sequence starts with and every row has kept KV for (0 where
+    fewer than the cascade attention's ``MIN_CASCADE_PREFIX``, or for a single row)."""
+    if len(seqs) < 2:
+        return 0
+    ordered = [tuple(s) for s in seqs]  # the least and the greatest share what all share
+    shared = min(common_prefix(min(ordered), max(ordered)), *reused)
+    return shared if shared >= MIN_CASCADE_PREFIX else 0
 
 
 def length_buckets(new: list[int]) -> list[tuple[int, int]]:
