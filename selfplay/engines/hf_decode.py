@@ -18,9 +18,14 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache
 
-from selfplay.engines import EngineRequestError, Generation, GenerationRequest, HFEngineConfig
+from selfplay.engines import (
+    EngineRequestError,
+    Generation,
+    GenerationRequest,
+    HFEngineConfig,
+    hf_cpu,
+)
 from selfplay.engines.batching import Batcher, Reply
-from selfplay.engines import hf_cpu
 from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX, SHARED_PREFIX, SharedPrefix
 from selfplay.engines.hf_kv import PreallocatedLayer, pad_left, row_kv
 from selfplay.engines.hf_prefill import Prefill, common_prefix
