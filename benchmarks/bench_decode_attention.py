@@ -1,19 +1,22 @@
 """A/B of the CPU engine's decoding attention: torch's SDPA (``enable_gqa``) against
-``hf_cpu.grouped_decode_attention`` (one product per KV head over its group of query heads),
-alternating call by call in one process so that a shared machine's drift hits both alike.
+``hf_cpu.grouped_decode_attention`` (one product per KV head over its group of query heads) and
+``hf_cpu.cascade_decode_attention`` (the batch's shared prefix attended to once for all rows),
+alternating call by call in one process so that a shared machine's drift hits all alike.
 
 1. attention alone: every layer's attention of a decoding step at ``--rows`` rows over ``--kv``
    positions, at the model's shapes (layers, query heads, KV heads, head dim), each layer its
-   own KV as a view into preallocated room (as ``PreallocatedLayer`` hands it over), with the
-   left-padding mask of a batch; also a plain sum over the same K and V, the bandwidth bound;
+   own KV as a view into preallocated room (as ``PreallocatedLayer`` hands it over), the first
+   ``--shared`` columns the same in every row (the engine's layout of a batch whose prompts
+   start alike) and padding after them; also a plain sum over the same K and V, the bandwidth
+   bound;
 2. a whole decoding step of the model (the engine's CPU layouts) over a cache of random KV of
-   that width (no prefill: its values do not change a step's work), the flag
-   ``hf_cpu.GROUPED_DECODE`` switched step by step, and a third step with SDPA and the sibling
-   projections apart (``hf_cpu.FUSED_PROJECTIONS`` off: q, k, v and gate, up as separate
-   products), so the fused projections' gain is read in the same alternation.
+   that layout (no prefill: its values do not change a step's work): SDPA, grouped
+   (``hf_cpu.GROUPED_DECODE``), the cascade over the shared columns (what the engine does), and
+   SDPA with the sibling projections apart (``hf_cpu.FUSED_PROJECTIONS`` off: q, k, v and gate,
+   up as separate products), switched step by step.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--model embedded] [--rows 48]
-        [--kv 470] [--repeats 10] [--threads N] [--dtype fp32|bf16]
+        [--kv 470] [--shared 240] [--repeats 10] [--threads N] [--dtype fp32|bf16]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from selfplay.engines import HFEngineConfig, hf_cpu
 from selfplay.engines.hf import HFEngine, PreallocatedLayer, attention_shape
+from selfplay.engines.hf_cpu import SHARED_PREFIX, SharedPrefix
 from selfplay.models import resolve_model
 
 
@@ -47,19 +51,35 @@ def alternate(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def attention_alone(model, rows: int, kv: int, dtype, repeats: int) -> dict[str, float]:
+def padding(rows: int, kv: int, shared: int) -> torch.Tensor:
+    """A batch's attention mask ``[rows, kv]``: padding of a different width a row after the
+    ``shared`` first columns (left padding where 0)."""
+    attn = torch.ones(rows, kv, dtype=torch.long)
+    for b in range(rows):
+        attn[b, shared : shared + (7 * b) % ((kv - shared) // 4)] = 0
+    return attn
+
+
+def random_kv(rows: int, kv_heads: int, kv: int, dim: int, shared: int, room: int, g) -> list:
+    """Keys and values: a view of the first ``kv`` positions of ``room``, the first ``shared``
+    the same in every row."""
+    out = []
+    for _ in range(2):
+        x = torch.randn(rows, kv_heads, room, dim, generator=g)
+        x[:, :, :shared] = x[:1, :, :shared]
+        out.append(x[..., :kv, :])
+    return out
+
+
+def attention_alone(model, rows, kv, shared, dtype, repeats) -> dict[str, float]:
     layers, heads, kv_heads, dim = attention_shape(model)
     g = torch.Generator().manual_seed(0)
-    room = kv + 64
-
-    def view():
-        return torch.randn(rows, kv_heads, room, dim, generator=g).to(dtype)[..., :kv, :]
-
-    caches = [(view(), view()) for _ in range(layers)]
+    caches = [
+        [x.to(dtype) for x in random_kv(rows, kv_heads, kv, dim, shared, kv + 64, g)]
+        for _ in range(layers)
+    ]
     query = torch.randn(rows, heads, 1, dim, generator=g).to(dtype)
-    mask = torch.ones(rows, 1, 1, kv, dtype=torch.bool)
-    for b in range(rows):
-        mask[b, ..., : (7 * b) % (kv // 4)] = False  # left padding of a batch
+    mask = padding(rows, kv, shared).bool()[:, None, None, :]
 
     def sdpa():
         for k, v in caches:
@@ -71,42 +91,49 @@ def attention_alone(model, rows: int, kv: int, dtype, repeats: int) -> dict[str,
         for k, v in caches:
             hf_cpu.grouped_decode_attention(query, k, v, mask)
 
+    def cascade():
+        prefix = SharedPrefix(shared)
+        for k, v in caches:
+            hf_cpu.cascade_decode_attention(query, k, v, mask, None, prefix)
+
     def read():
         for k, v in caches:
             k.sum(), v.sum()
 
+    fns = {"SDPA": sdpa, "grouped": grouped, f"cascade ({shared} shared)": cascade}
     with torch.inference_mode():
-        return alternate({"SDPA": sdpa, "grouped": grouped, "sum of K and V": read}, repeats)
+        return alternate({**fns, "sum of K and V": read}, repeats)
 
 
-def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]:
+def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dict[str, float]:
     from transformers import Cache
 
     model = engine.model
     cache = Cache(
-        layers=[PreallocatedLayer(kv + 3 * (repeats + 1) + 4) for _ in range(engine._cache_layers)]
+        layers=[PreallocatedLayer(kv + 4 * (repeats + 1) + 4) for _ in range(engine._cache_layers)]
     )
-    attn = torch.ones(rows, kv, dtype=torch.long)
-    for b in range(rows):
-        attn[b, : (7 * b) % (kv // 4)] = 0
+    attn = padding(rows, kv, shared)
     ids = torch.randint(3, model.config.vocab_size, (rows, 1), generator=torch.Generator())
     _, _, kv_heads, dim = attention_shape(model)
     state = {"attn": attn, "last": attn.sum(-1) - 1}
+    g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for layer in cache.layers:  # random KV in place of a prefill: the same work a step
-            k, v = torch.randn(2, rows, kv_heads, kv, dim).to(model.dtype)
-            layer.update(k, v)
+            k, v = random_kv(rows, kv_heads, kv, dim, shared, kv, g)
+            layer.update(k.to(model.dtype), v.to(model.dtype))
 
-        def step(grouped: bool, fused: bool = True):
+        def step(grouped: bool, fused: bool = True, cascade: bool = False):
             hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = grouped, fused
             state["attn"] = torch.cat([state["attn"], attn.new_ones((rows, 1))], dim=1)
             state["last"] = state["last"] + 1
+            extra = {SHARED_PREFIX: SharedPrefix(shared)} if cascade else {}
             model(
                 input_ids=ids,
                 attention_mask=state["attn"],
                 position_ids=state["last"][:, None],
                 past_key_values=cache,
                 use_cache=True,
+                **extra,
             )
 
         default = hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS
@@ -115,6 +142,7 @@ def decoding_steps(engine, rows: int, kv: int, repeats: int) -> dict[str, float]
                 {
                     "SDPA": lambda: step(False),
                     "grouped": lambda: step(True),
+                    f"cascade ({shared} shared)": lambda: step(False, cascade=True),
                     "SDPA, projections apart": lambda: step(False, fused=False),
                 },
                 repeats,
@@ -128,6 +156,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF model dir (default: the embedded SmolLM2)")
     ap.add_argument("--rows", type=int, default=48, help="rows of a decoding step")
     ap.add_argument("--kv", type=int, default=470, help="KV positions of a row")
+    ap.add_argument(
+        "--shared", type=int, default=240, help="first KV positions every row shares (cascade)"
+    )
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -142,12 +173,13 @@ def main() -> None:
     )
     layers, heads, kv_heads, dim = attention_shape(engine.model)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    alone = attention_alone(engine.model, args.rows, args.kv, dtype, args.repeats)
-    steps = decoding_steps(engine, args.rows, args.kv, args.repeats)
+    alone = attention_alone(engine.model, args.rows, args.kv, args.shared, dtype, args.repeats)
+    steps = decoding_steps(engine, args.rows, args.kv, args.shared, args.repeats)
     kv_bytes = 2 * layers * args.rows * kv_heads * args.kv * dim * dtype.itemsize
     table = Table(
         title=f"decoding attention, {Path(engine.name).name}: {layers} layers, {heads} query / "
-        f"{kv_heads} KV heads of {dim}, {args.rows} rows x {args.kv} KV positions, "
+        f"{kv_heads} KV heads of {dim}, {args.rows} rows x {args.kv} KV positions "
+        f"({args.shared} shared), "
         f"{args.dtype}, {torch.get_num_threads()} threads (median of {args.repeats}, alternating)"
     )
     for col in ("what", "ms", "KV read GB/s", "SDPA / this"):
