@@ -36,14 +36,15 @@ matmuls far below the FLOP rate of 512 rows while reading the weights slower tha
 allows, so neither limit above binds there; this row says how much of the stage's time its
 matmuls at their own shapes take, and so how much is everything else (attention over the KV
 cache, norms, sampling, the engine's bookkeeping). A fourth, "matmuls + attention alone",
-adds each decoding step's attention timed on its own (the engine's decoding attention: SDPA,
-or ``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, at the step's rows and
-the mean KV width of steps of that many rows, every layer its own KV): what the stage's kernels
+adds each decoding step's attention timed on its own (the engine's decoding attention: the cascade
+over a batch's shared prefix where its steps used it, else SDPA, or
+``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, at the step's rows and
+the mean widths of steps of that many rows, every layer its own KV): what the stage's kernels
 at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
 and the model's glue (norms, rotary, sampling, Python) rather than kernels.
 
 Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
-     [--tokens 512] [--repeats 10] [--stages] [--decode-attention grouped|sdpa]
+     [--tokens 512] [--repeats 10] [--stages] [--decode-attention cascade|grouped|sdpa]
 """
 
 from __future__ import annotations
@@ -154,29 +155,41 @@ def matmuls_alone_seconds(engine, gflops: float, dtype, repeats: int = 5) -> flo
 
 def attention_seconds(engine, dtype, repeats: int = 3) -> float:
     """Every decoding step's attention timed alone: for each batch size, the engine's decoding
-    attention (``hf_cpu.grouped_decode_attention``, or SDPA with GQA where
-    ``hf_cpu.GROUPED_DECODE`` is off; a padding mask) at its steps' mean KV width over every
-    layer, each layer its own KV (the cache is read from memory, as in a step), times its
-    steps."""
+    attention at its steps' mean widths over every layer, each layer its own KV (the cache is
+    read from memory, as in a step), times its steps. The attention is the engine's: where its
+    steps read a shared prefix once (``hf_cpu.cascade_decode_attention``), that at the mean
+    shared and own widths; else SDPA with GQA (or ``hf_cpu.grouped_decode_attention`` where
+    ``hf_cpu.GROUPED_DECODE``), with a padding mask."""
     from selfplay.engines import hf_cpu
     from selfplay.engines.hf import attention_shape
-
-    def attend(q, k, v, mask):
-        if hf_cpu.GROUPED_DECODE:
-            return hf_cpu.grouped_decode_attention(q, k, v, mask)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=True
-        )
 
     layers_n, heads, kv_heads, dim = attention_shape(engine.model)
     total = 0.0
     for rows, steps in engine.decode_batches.items():
-        width = max(1, round(engine.decode_kv_by_rows[rows] / (rows * steps)))
+        shared_sum = engine.decode_shared_by_rows[rows]
+        shared = round(shared_sum / steps)
+        # positions read: rows x own width per step, plus each cascaded step's shared once
+        own = max(1, round((engine.decode_kv_by_rows[rows] - shared_sum) / (rows * steps)))
+        width = own + shared
         q = torch.randn(rows, heads, 1, dim).to(dtype)
-        kvs = [torch.randn(2, rows, kv_heads, width, dim).to(dtype) for _ in range(layers_n)]
+        kvs = []
+        for _ in range(layers_n):
+            k, v = torch.randn(2, rows, kv_heads, width, dim).to(dtype)
+            k[:, :, :shared], v[:, :, :shared] = k[:1, :, :shared], v[:1, :, :shared]
+            kvs.append((k, v))
         mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
 
-        def layers(q=q, kvs=kvs, mask=mask):
+        def attend(q, k, v, mask, shared=shared):
+            if shared:
+                prefix = hf_cpu.SharedPrefix(shared)
+                return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix)
+            if hf_cpu.GROUPED_DECODE:
+                return hf_cpu.grouped_decode_attention(q, k, v, mask)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True
+            )
+
+        def layers(q=q, kvs=kvs, mask=mask, attend=attend):
             for k, v in kvs:
                 attend(q, k, v, mask)
 
@@ -216,11 +229,13 @@ def generate_rates(st, engine, dtype: str, gflops: float, gbs: float):
     and attention's alone."""
     tokens = engine.prefilled_tokens + engine.generated_tokens
     least = decode_aware_seconds(engine, gflops, gbs)
+    shared = engine.decode_shared_by_rows.total() / max(1, engine.shared_decode_steps)
     note = (
         f"{engine.prefilled_tokens} prefilled + {engine.generated_tokens} generated tokens, "
         f"{st.played} games in {st.seconds:.1f} s ({st.played / st.seconds:.2f} games/s), "
         f"{torch.get_num_threads()} engine threads; {engine.decode_steps} decoding steps of "
-        f"{engine.decode_rows / max(1, engine.decode_steps):.1f} rows, least time {least:.1f} s"
+        f"{engine.decode_rows / max(1, engine.decode_steps):.1f} rows ({engine.shared_decode_steps}"
+        f" reading a mean {shared:.0f} shared KV positions once), least time {least:.1f} s"
     )
     alone = matmuls_alone_seconds(engine, gflops, DTYPES[dtype])
     attention = attention_seconds(engine, DTYPES[dtype])
@@ -294,16 +309,18 @@ def main() -> None:
     ap.add_argument("--stages", action="store_true", help="also time the real stages (minutes)")
     ap.add_argument(
         "--decode-attention",
-        choices=["grouped", "sdpa"],
+        choices=["cascade", "grouped", "sdpa"],
         default=None,
-        help="the engine's decoding attention (hf_cpu.GROUPED_DECODE; default: the engine's "
-        "default), to A/B the stages",
+        help="the engine's decoding attention (cascade: over a batch's shared prefix, SDPA "
+        "else; hf_cpu.CASCADE and GROUPED_DECODE; default: the engine's default), to A/B the "
+        "stages",
     )
     args = ap.parse_args()
     from selfplay.engines import hf_cpu
 
     if args.decode_attention:
         hf_cpu.GROUPED_DECODE = args.decode_attention == "grouped"
+        hf_cpu.CASCADE = args.decode_attention == "cascade"
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
@@ -318,6 +335,7 @@ def main() -> None:
     console.print(f'resolve_dtype("auto", "cpu") -> {resolve_dtype("auto", "cpu")}')
     console.print(f"forward FLOPs per token: {FWD_FLOPS_PER_TOKEN / 1e6:.1f} M")
     attention = "grouped" if hf_cpu.GROUPED_DECODE else "sdpa"
+    attention = f"cascade over a shared prefix, else {attention}" if hf_cpu.CASCADE else attention
     console.print(f"the engine's decoding attention: {attention}")
 
     def measure(dtype: str) -> dict[str, float]:

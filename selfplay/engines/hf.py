@@ -146,11 +146,13 @@ class HFEngine(DecodeLoop):
         self.reused_tokens = 0  # prompt tokens taken from KV computed for another request
         self.prefill_slots = 0  # rows x padded width of every prefill pass: compute, pads included
         # decoding: steps by their rows (dead ones too; matmul speed depends on a step's rows)
-        # and the KV positions they read (rows x width), by rows too; decode_steps, decode_rows
-        # and decode_kv_slots follow from them
+        # and the KV positions they read (rows x width, a shared prefix counted once), by rows
+        # too; decode_steps, decode_rows and decode_kv_slots follow from them
         self.decode_batches: Counter[int] = Counter()
         self.decode_kv_by_rows: Counter[int] = Counter()
-        self.shared_decode_steps = 0  # steps that read the batch's shared prefix once (cascade)
+        # steps that read the batch's shared prefix once (cascade), and its columns, by rows
+        self.shared_decode_steps = 0
+        self.decode_shared_by_rows: Counter[int] = Counter()
         self._cache_layers = plain_cache_layers(self.model)
         # batches laid out with their shared prefix in the first columns, which decoding attends
         # to once for all rows (hf_cpu's cascade attention; CPU only)

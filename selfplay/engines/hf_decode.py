@@ -35,13 +35,14 @@ class DecodeLoop(Prefill):
     """The decoding half of ``HFEngine`` (a base class: the engine sets, besides what
     ``Prefill`` names, ``config``, ``tokenizer``, ``max_context``, ``_batcher`` (whose worker
     thread runs ``_run_batch``) and the counters ``generated_tokens``, ``decode_batches``,
-    ``decode_kv_by_rows`` and ``shared_decode_steps``)."""
+    ``decode_kv_by_rows``, ``decode_shared_by_rows`` and ``shared_decode_steps``)."""
 
     config: HFEngineConfig
     max_context: int | None
     generated_tokens: int
     decode_batches: Counter[int]
     decode_kv_by_rows: Counter[int]
+    decode_shared_by_rows: Counter[int]
     shared_decode_steps: int
     _batcher: Batcher
 
@@ -102,6 +103,7 @@ class DecodeLoop(Prefill):
                 extra[SHARED_PREFIX] = SharedPrefix(run.shared)
                 read -= (rows - 1) * run.shared
                 self.shared_decode_steps += 1
+                self.decode_shared_by_rows[rows] += run.shared
             self.decode_batches[rows] += 1
             self.decode_kv_by_rows[rows] += read
             out = self.model(
