@@ -13,7 +13,8 @@ alternating call by call in one process so that a shared machine's drift hits al
    that layout (no prefill: its values do not change a step's work): SDPA, grouped
    (``hf_cpu.GROUPED_DECODE``), the cascade over the shared columns (what the engine does), and
    SDPA with the sibling projections apart (``hf_cpu.FUSED_PROJECTIONS`` off: q, k, v and gate,
-   up as separate products), switched step by step.
+   up as separate products), and the engine's lean step (``hf_step.LeanDecode``: no transformers
+   glue, the cascade), switched step by step.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--model embedded] [--rows 48]
         [--kv 470] [--shared 240] [--repeats 10] [--threads N] [--dtype fp32|bf16]
@@ -110,7 +111,7 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
 
     model = engine.model
     cache = Cache(
-        layers=[PreallocatedLayer(kv + 4 * (repeats + 1) + 4) for _ in range(engine._cache_layers)]
+        layers=[PreallocatedLayer(kv + 6 * (repeats + 1) + 4) for _ in range(engine._cache_layers)]
     )
     attn = padding(rows, kv, shared)
     ids = torch.randint(3, model.config.vocab_size, (rows, 1), generator=torch.Generator())
@@ -122,10 +123,13 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
             k, v = random_kv(rows, kv_heads, kv, dim, shared, kv, g)
             layer.update(k.to(model.dtype), v.to(model.dtype))
 
-        def step(grouped: bool, fused: bool = True, cascade: bool = False):
+        def step(grouped: bool, fused: bool = True, cascade: bool = False, lean: bool = False):
             hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = grouped, fused
             state["attn"] = torch.cat([state["attn"], attn.new_ones((rows, 1))], dim=1)
             state["last"] = state["last"] + 1
+            if lean:
+                engine._lean.step(ids[:, 0], state["last"], cache, state["attn"], shared)
+                return
             extra = {SHARED_PREFIX: SharedPrefix(shared)} if cascade else {}
             model(
                 input_ids=ids,
@@ -144,6 +148,11 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
                     "grouped": lambda: step(True),
                     f"cascade ({shared} shared)": lambda: step(False, cascade=True),
                     "SDPA, projections apart": lambda: step(False, fused=False),
+                    **(
+                        {f"lean step, cascade ({shared} shared)": lambda: step(False, lean=True)}
+                        if engine._lean is not None
+                        else {}
+                    ),
                 },
                 repeats,
             )

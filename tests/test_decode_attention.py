@@ -150,6 +150,11 @@ def test_cascade_decode_attention_is_sdpa_over_every_rows_copy_to_1e5(
         got = cascade_decode_attention(query, key, value, mask, scale, prefix)
         assert got.shape == want.shape == (rows, heads, 1, dim)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a query whose head dims are not contiguous (feature-major activations) reads the same
+    strided = query.permute(3, 1, 2, 0).contiguous().permute(3, 1, 2, 0)
+    assert strided.stride(-1) != 1
+    got = cascade_decode_attention(strided, key, value, mask, None, SharedPrefix(shared))
+    torch.testing.assert_close(got, sdpa(query, key, value, attn_mask=mask, enable_gqa=True))
     # a different prefix in one row would be ignored: the cascade reads row 0's only
     key[3, :, :shared] += 1.0
     got = cascade_decode_attention(query, key, value, mask, None, SharedPrefix(shared))
@@ -176,3 +181,92 @@ def test_a_model_hands_the_shared_prefix_to_every_layers_attention(tiny_model):
             return engine.model(input_ids=input_ids)
 
     assert not passes_shared_prefix(Strict())
+
+
+def _steps_both_ways(model, lean, shared: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A batch prefilled through the model into two copies of the engine's cache (left-padded,
+    or with its first ``shared`` columns the same tokens in every row and the padding after
+    them), then decoding steps on one through the model and on the other through ``lean``:
+    each step's logits both ways."""
+    from transformers import Cache
+
+    from selfplay.engines.hf_cpu import SHARED_PREFIX, SharedPrefix
+    from selfplay.engines.hf_kv import PreallocatedLayer, plain_cache_layers
+
+    g = torch.Generator().manual_seed(shared)
+    rows, width, steps = 5, shared + 20, 4
+    ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=g)
+    ids[:, :shared] = ids[0, :shared]
+    attn = torch.ones(rows, width, dtype=torch.long)
+    for b in range(rows):
+        attn[b, shared : shared + 2 * b] = 0  # padding (after the shared columns)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    caches = [
+        Cache(layers=[PreallocatedLayer(width + steps) for _ in range(plain_cache_layers(model))])
+        for _ in range(2)
+    ]
+    out = []
+    with torch.inference_mode():
+        for cache in caches:
+            first = model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                          past_key_values=cache, use_cache=True).logits[:, -1]  # fmt: skip
+        tok, last = first.argmax(-1), pos[:, -1]
+        for _ in range(steps):
+            attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=1)
+            last = last + 1
+            extra = {SHARED_PREFIX: SharedPrefix(shared)} if shared else {}
+            extra.update(attention_mask=attn, position_ids=last[:, None], use_cache=True)
+            want = model(input_ids=tok[:, None], past_key_values=caches[0], **extra).logits[:, -1]
+            got = lean.step(tok, last, caches[1], attn, shared)
+            out.append((got, want))
+            tok = want.argmax(-1)
+    return out
+
+
+@pytest.mark.parametrize("shared", [0, 70])
+def test_lean_decoding_steps_are_the_models_own_to_1e5(tiny_model, shared):
+    """The engine's lean decoding step (hf_step: feature-major, the fused products, attention
+    called directly) gives the model's own logits, step after step, over a left-padded batch
+    and over a batch whose first columns are shared (the cascade)."""
+    from selfplay.engines import HFEngineConfig
+    from selfplay.engines.hf import HFEngine
+
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32"))
+    assert engine._lean is not None  # the tiny Qwen2 (q/k/v biases) passed the start-up check
+    for got, want in _steps_both_ways(engine.model, engine._lean, shared):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_decoding_is_off_where_it_does_not_cover_the_model(tiny_model, monkeypatch):
+    """Another model type, another dtype, or a model whose logits the check finds different:
+    the engine keeps transformers' forward."""
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.engines import hf_step
+    from selfplay.engines.hf_kv import plain_cache_layers
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    layers = plain_cache_layers(model)
+    assert hf_step.lean_decode(model, layers) is not None
+    assert hf_step.lean_decode(model, 0) is None
+    assert hf_step.lean_decode(model.to(torch.bfloat16), layers) is None
+    model.float()
+    monkeypatch.setattr(hf_step, "LEAN_MODEL_TYPES", ("llama",))
+    assert hf_step.lean_decode(model, layers) is None
+    monkeypatch.setattr(hf_step, "LEAN_MODEL_TYPES", ("qwen2",))
+    step = hf_step.LeanDecode.step
+    monkeypatch.setattr(hf_step.LeanDecode, "step", lambda *a, **k: step(*a, **k) * 1.01)
+    assert hf_step.lean_decode(model, layers) is None
+
+
+def test_lean_decoding_of_the_embedded_smollm2_is_its_own_to_1e4():
+    """The architecture users start from (Llama: SmolLM2-135M-Instruct, the embedded default)
+    passes the start-up check, and its lean steps give its own logits over a shared prefix."""
+    from selfplay.engines import HFEngineConfig
+    from selfplay.engines.hf import HFEngine
+    from selfplay.models import embedded_model_dir
+
+    engine = HFEngine(HFEngineConfig(model=str(embedded_model_dir()), device="cpu", dtype="fp32"))
+    assert engine._lean is not None and engine._shared_layout
+    for got, want in _steps_both_ways(engine.model, engine._lean, 70):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

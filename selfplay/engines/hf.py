@@ -44,6 +44,7 @@ from selfplay.engines.hf_prefill import (
     length_buckets,
     shared_prefix_groups,
 )
+from selfplay.engines.hf_step import lean_decode
 from selfplay.hardware import resolve_dtype, usable_cores
 
 __all__ = [
@@ -162,6 +163,8 @@ class HFEngine(DecodeLoop):
             and self.model.config._attn_implementation == grouped_sdpa()
             and passes_shared_prefix(self.model)
         )
+        # decoding steps without transformers' per-layer glue, where the model is one it covers
+        self._lean = lean_decode(self.model, self._cache_layers) if self._shared_layout else None
         budget = config.prefix_cache_tokens
         if budget is None:
             budget = auto_prefix_budget(self.model, str(self.device))

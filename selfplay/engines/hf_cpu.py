@@ -101,6 +101,8 @@ def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefi
     float rounding: the softmax over the two parts is split and rejoined, not changed."""
     b, h, _, d = query.shape
     p = shared.length
+    if query.stride(-1) != 1:  # torch's CPU flash kernel reads a head's dims as contiguous
+        query = query.contiguous()
     shared_q = query.transpose(0, 2)  # [1, H, B, D]: every row's query over the one prefix
     o_shared, lse_shared = _flash(shared_q, key[:1, :, :p], value[:1, :, :p], scale=scale)
     cut = None
@@ -216,6 +218,8 @@ FUSED_PROJECTIONS = True
 
 # Linear layers of one module that take the same input: one product computes them all.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# the module attribute that keeps each fused group's stacked (weight, bias), by SIBLINGS entry
+FUSED = "_selfplay_fused"
 
 
 def fuse_projections(model) -> None:
@@ -240,10 +244,11 @@ def fuse_projections(model) -> None:
                 )
                 and len({lin.bias is None for lin in linears}) == 1
             ):
-                _fuse(linears)
+                # the stacked weight and bias, for a decoding step that runs the product itself
+                module.__dict__.setdefault(FUSED, {})[names] = _fuse(linears)
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> None:
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = (
         torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
@@ -284,3 +289,4 @@ def _fuse(linears: list[torch.nn.Linear]) -> None:
     linears[0].forward = first
     for i, lin in enumerate(linears[1:], 1):
         lin.forward = sibling(i)
+    return weight, bias

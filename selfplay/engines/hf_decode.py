@@ -24,6 +24,7 @@ from selfplay.engines import (
     GenerationRequest,
     HFEngineConfig,
     hf_cpu,
+    hf_step,
 )
 from selfplay.engines.batching import Batcher, Reply
 from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX, SHARED_PREFIX, SharedPrefix
@@ -44,6 +45,7 @@ class DecodeLoop(Prefill):
     decode_kv_by_rows: Counter[int]
     decode_shared_by_rows: Counter[int]
     shared_decode_steps: int
+    _lean: hf_step.LeanDecode | None
     _batcher: Batcher
 
     def _run_batch(self, requests: list[GenerationRequest], replies: list[Reply]) -> None:
@@ -106,6 +108,10 @@ class DecodeLoop(Prefill):
                 self.decode_shared_by_rows[rows] += run.shared
             self.decode_batches[rows] += 1
             self.decode_kv_by_rows[rows] += read
+            if self._lean is not None and hf_step.LEAN_DECODE:
+                shared = run.shared if extra else 0
+                run.logits = self._lean.step(run.tok, run.last_pos, run.cache, run.attn, shared)
+                continue
             out = self.model(
                 input_ids=run.tok[:, None],
                 attention_mask=run.attn,
