@@ -903,3 +903,37 @@ def test_engines_are_registered_by_kind_and_opened_by_their_path(monkeypatch):
     monkeypatch.setattr(engines, "ENGINE_CONFIGS", (*engines.ENGINE_CONFIGS, _EchoConfig))
     engine = open_engine(config)
     assert type(engine).__name__ == "_EchoEngine" and engine.config is config
+
+
+def test_hf_sampler_is_the_inverse_cdf_of_the_softmax_and_reports_its_log_softmax():
+    """The engine's sampler (few passes over the logits) draws what inverse-CDF sampling of
+    softmax(logits / T) with the same uniform draws picks (in vocabulary order; with top-p,
+    over the kept head in descending order), greedy at T 0, and reports log-softmax(logits / T)
+    of the sampled token before the top-p cut."""
+    from selfplay.engines.hf_decode import _sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(6, 500, generator=g)
+    u = torch.rand(6, generator=g)
+    for temps, top_p in (
+        ([1.0] * 6, [1.0] * 6),
+        ([0.7, 1.0, 0.0, 1.3, 1.0, 0.5], [1.0] * 6),
+        ([0.7, 1.0, 0.0, 1.3, 1.0, 0.5], [0.9, 1.0, 1.0, 0.5, 0.99, 1e-6]),
+    ):
+        t, p = torch.tensor(temps), torch.tensor(top_p)
+        tok, lp = _sample(logits, t, p, u)
+        for b in range(6):
+            if t[b] == 0:
+                assert tok[b] == logits[b].argmax()
+                want = torch.log_softmax(logits[b], -1)
+            else:
+                want = torch.log_softmax(logits[b] / t[b], -1)
+                # the CDF in vocabulary order; where any row cuts top-p, in descending order
+                probs, order = want.exp(), torch.arange(500)
+                if bool((p < 1).any()):
+                    probs, order = probs.sort(descending=True)
+                keep = probs.cumsum(0) - probs <= p[b]  # the top-p head (all where p is 1)
+                cdf = (probs * keep).cumsum(0)
+                pick = int(torch.searchsorted(cdf, u[b] * cdf[-1], right=True).clamp(max=499))
+                assert tok[b] == order[pick]
+            torch.testing.assert_close(lp[b], want[tok[b]], rtol=1e-5, atol=1e-5)

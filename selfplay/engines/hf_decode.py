@@ -296,25 +296,30 @@ def _sample(logits, temps, top_p, u):
     """Inverse-CDF sampling with per-row temperature and top-p; returns (tokens, logprobs).
 
     Temperature 0 is greedy (its log-prob is the plain log-softmax). The log-prob is taken before
-    the top-p cut, the convention of SGLang and vLLM.
+    the top-p cut, the convention of SGLang and vLLM. Each pass over the ``[rows, vocab]`` logits
+    costs a decoding step milliseconds on a CPU, so there are few: the shifted exponentials are
+    computed in place of one copy and summed up in place (the CDF), and the log-probs of the
+    sampled tokens alone are taken (``x - max - log(sum exp(x - max))``, log-softmax's formula).
     """
     greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    probs = logp.exp()
+    scaled = logits
+    if bool((temps != 1).any()):
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    top = scaled.max(-1, keepdim=True).values
+    weights = (scaled - top).exp_()  # unnormalised probabilities
+    total = weights.sum(-1, keepdim=True)
+    lse = top + total.log()
+    last = weights.shape[1] - 1
     if bool((top_p < 1).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p, order = (weights / total).sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
         sorted_p = sorted_p.masked_fill(cum - sorted_p > top_p[:, None], 0.0)
         cum = sorted_p.cumsum(-1)
-        pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).clamp(
-            max=cum.shape[1] - 1
-        )
+        pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).clamp(max=last)
         tok = order.gather(1, pick)[:, 0]
     else:
-        cum = probs.cumsum(-1)
-        tok = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0].clamp(
-            max=cum.shape[1] - 1
-        )
-    tok = torch.where(greedy, scaled.argmax(-1), tok)
-    return tok, logp.gather(1, tok[:, None])[:, 0]
+        cum = weights.cumsum_(-1)
+        tok = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0].clamp(max=last)
+    if bool(greedy.any()):
+        tok = torch.where(greedy, scaled.argmax(-1), tok)
+    return tok, scaled.gather(1, tok[:, None])[:, 0] - lse[:, 0]

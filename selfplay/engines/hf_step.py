@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # model types whose decoder layer LeanDecode computes (the check at start-up still decides)
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# vocabulary rows of the LM head a product at a time (LeanDecode._logits)
+LM_HEAD_SLICE = 4096
 # True: the engine's decoding steps run LeanDecode where it passed its check; read at call time,
 # so a benchmark can alternate
 LEAN_DECODE = True
@@ -136,8 +138,21 @@ class LeanDecode:
             n = _rms_norm(h, layer.norm2, layer.eps2)
             gate, up = _product(*layer.gate_up, n).split(layer.inter)
             h = h + _product(*layer.down, layer.act(gate) * up)
-        n = _rms_norm(h, self.final_norm, self.final_eps)
-        logits = torch.mm(n.t(), self.lm_head.t())  # [rows, vocab]
+        return self._logits(_rms_norm(h, self.final_norm, self.final_eps))
+
+    def _logits(self, n: torch.Tensor) -> torch.Tensor:
+        """The LM head over feature-major ``n``: ``[rows, vocab]`` logits, computed weight-major
+        a slice of the vocabulary at a time, each slice's product turned to rows while it is in
+        cache (on the AVX2 EPYC, 48 rows: 24 ms against 33-38 ms for the product laid out as
+        rows, and 34 ms for the whole product turned at once)."""
+        rows, vocab = n.shape[1], self.lm_head.shape[0]
+        logits = n.new_empty((rows, vocab))
+        part = n.new_empty((LM_HEAD_SLICE, rows))
+        for start in range(0, vocab, LM_HEAD_SLICE):
+            weight = self.lm_head[start : start + LM_HEAD_SLICE]
+            out = part[: weight.shape[0]]
+            torch.mm(weight, n, out=out)
+            logits[:, start : start + weight.shape[0]] = out.t()
         return logits if self.lm_bias is None else logits + self.lm_bias
 
 
