@@ -937,3 +937,35 @@ def test_hf_sampler_is_the_inverse_cdf_of_the_softmax_and_reports_its_log_softma
                 pick = int(torch.searchsorted(cdf, u[b] * cdf[-1], right=True).clamp(max=499))
                 assert tok[b] == order[pick]
             torch.testing.assert_close(lp[b], want[tok[b]], rtol=1e-5, atol=1e-5)
+
+
+def test_hf_finished_rows_leave_the_batch_at_once_and_the_rest_are_unchanged(hf):
+    """Rows that finish at different steps leave the batch when they finish (the last live rows
+    move into their places), so decoding computes only live rows: one row a step for each token
+    after the first (which the prefill gives); every row equals the same request run alone."""
+    reqs = [
+        GenerationRequest(prompt(hf, f"row {i}"), max_new_tokens=m, stop_token_ids=(), seed=i)
+        for i, m in enumerate((3, 9, 6, 12, 4))
+    ]
+    engine = fresh(hf)
+    gens = run(gather_close(engine, reqs))
+    assert [len(g.token_ids) for g in gens] == [3, 9, 6, 12, 4]
+    assert engine.decode_rows == sum(len(g.token_ids) - 1 for g in gens)
+    assert engine._batcher.batches == 1
+    off = fresh(hf, prefix_cache_tokens=0)
+    for req, got in zip(reqs, gens):
+        (want,) = run(gather_close(fresh(off), [req]))
+        assert_same_generations(got, want)
+
+
+def test_preallocated_layer_moves_rows_into_holes_and_keeps_the_rest():
+    from selfplay.engines.hf_kv import PreallocatedLayer
+
+    layer = PreallocatedLayer(capacity=6)
+    keys = torch.arange(5 * 2 * 4 * 3, dtype=torch.float32).reshape(5, 2, 4, 3)
+    layer.update(keys, -keys)
+    layer.move_rows(torch.tensor([3, 4]), torch.tensor([0, 2]), 3)  # rows 0 and 2 finished
+    assert layer.keys.shape == (3, 2, 4, 3)
+    assert torch.equal(layer.keys, keys[[3, 1, 4]]) and torch.equal(layer.values, -keys[[3, 1, 4]])
+    layer.update(torch.ones(3, 2, 1, 3), torch.ones(3, 2, 1, 3))  # decoding goes on after it
+    assert layer.keys.shape == (3, 2, 5, 3) and torch.equal(layer.keys[:, :, :4], keys[[3, 1, 4]])

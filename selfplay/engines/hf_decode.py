@@ -167,10 +167,12 @@ class DecodeLoop(Prefill):
 
     def _sample_step(self, run: _Running) -> None:
         """Sample every live row's next token (``run.tok``) and answer the rows that finished
-        (their KV kept in the prefix cache). A finished row stays in the batch, dead (row -1),
-        until a quarter of the batch is: dropping rows copies the whole KV cache, which cost a
-        quarter of a 128-game run when done at every finish, while a dead row costs one row of
-        each decoding step."""
+        (their KV kept in the prefix cache), then drop them from the batch. On the engine's own
+        cache layers that moves the last live rows into their places (``_fill_holes``: a few
+        rows' KV copied); on transformers' cache (other models) a finished row stays, dead (row
+        -1), until a quarter of the batch is, since dropping rows there copies the whole KV
+        cache (a quarter of a 128-game run when done at every finish), while a dead row costs
+        one row of each decoding step."""
         live = run.live_positions()
         u = torch.full((len(run.active),), 0.5)  # a dead row's draw: never used
         u[live] = torch.stack([torch.rand((), generator=run.gens[run.active[b]]) for b in live])
@@ -194,14 +196,40 @@ class DecodeLoop(Prefill):
         run.tok = tok
         keep = run.live_positions()
         dead = len(run.active) - len(keep)
-        if dead and (not keep or 4 * dead >= len(run.active)):
-            if keep:
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                run.cache.batch_select_indices(index)
-                run.attn, run.tok = run.attn[index], run.tok[index]
-                run.temps, run.top_p = run.temps[index], run.top_p[index]
-                run.last_pos = run.last_pos[index]
+        if not dead:
+            return
+        if not keep:
+            run.active = []
+        elif self._cache_layers:
+            self._fill_holes(run, keep)
+        elif 4 * dead >= len(run.active):
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            run.cache.batch_select_indices(index)
+            self._reorder(run, index)
             run.active = [run.active[b] for b in keep]
+
+    def _fill_holes(self, run: _Running, keep: list[int]) -> None:
+        """Drop the dead rows of a batch on the engine's own cache layers: the live rows past the
+        first ``len(keep)`` positions move into the dead ones there (their KV alone is copied)
+        and the batch is cut to ``len(keep)`` rows."""
+        n = len(keep)
+        holes = [b for b in range(n) if run.active[b] < 0]
+        movers = [b for b in keep if b >= n]
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (movers, holes))
+        for layer in run.cache.layers:
+            layer.move_rows(src, dst, n)
+        self._reorder(run, torch.tensor(order, dtype=torch.long, device=self.device))
+        run.active = [run.active[b] for b in order]
+
+    @staticmethod
+    def _reorder(run: _Running, index: torch.Tensor) -> None:
+        """The batch's per-position tensors at ``index`` (the cache is the caller's)."""
+        run.attn, run.tok = run.attn[index], run.tok[index]
+        run.temps, run.top_p = run.temps[index], run.top_p[index]
+        run.last_pos = run.last_pos[index]
 
     def _merge(self, a: _Running, b: _Running) -> _Running:
         """One running batch of ``a``'s live rows then ``b``'s (dead ones dropped): each row's

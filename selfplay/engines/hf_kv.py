@@ -198,6 +198,18 @@ class PreallocatedLayer(DynamicLayer):
         layer.keys, layer.values = layer._keys[..., :width, :], layer._values[..., :width, :]
         return layer
 
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
+        """Copy rows ``src``'s KV over rows ``dst`` and keep the first ``rows`` rows (views of
+        the same room: nothing else is copied)."""
+        if self._keys is None:
+            return
+        end = self.get_seq_length()
+        if len(src):
+            self._keys[dst, :, :end] = self._keys[src, :, :end]
+            self._values[dst, :, :end] = self._values[src, :, :end]
+        self._keys, self._values = self._keys[:rows], self._values[:rows]
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._keys is not None:
             end = self.get_seq_length()
