@@ -2,8 +2,9 @@
 
 The engine is built of parts, a module each: the decoding loop (``hf_decode``: padded batches
 that requests join while they run), the prefill (``hf_prefill``: a prompt fed after the KV kept
-for its start), the KV cache (``hf_kv``: the prefix cache and preallocated cache layers) and the
-CPU layouts (``hf_cpu``: grouped SDPA, weight-major linear layers, fused sibling projections).
+for its start), the KV cache (``hf_kv``: the prefix cache and preallocated cache layers), the
+CPU layouts (``hf_cpu``: grouped SDPA, the cascade over a batch's shared prefix, weight-major
+linear layers, fused sibling projections) and the lean CPU decoding step (``hf_step``).
 Their public names are importable from here too.
 """
 
