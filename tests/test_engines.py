@@ -264,32 +264,42 @@ def test_hf_requests_join_a_running_batch_and_match_single_requests(hf):
         GenerationRequest(prompt(hf, f"game {i}"), 3, temperature=0.8, seed=i) for i in range(3)
     ]
     engine = fresh(hf)
+    long_gen, games = games_beside_a_long_row(hf, engine, long_req, starts, budget=3)
+    assert len(long_gen.token_ids) == 160
+    assert engine._batcher.joined >= 3  # later turns joined the long row's batch
+    assert engine._batcher.batches < 1 + 3  # fewer batches than turns a game played
+    assert_each_as_alone(hf, [(long_req, long_gen), *(pair for g in games for pair in g)])
 
-    async def game(req: GenerationRequest, turns: int):
+
+def games_beside_a_long_row(hf, engine, long_req, starts, *, budget: int, turns: int = 4):
+    """``long_req`` and games of ``turns`` turns from ``starts`` played at once on ``engine``
+    (later turns' budgets ``budget``, ``budget + 1``, ...): the long generation, and each
+    game's (request, generation) pairs."""
+
+    async def game(req: GenerationRequest):
         out = []
         for t in range(turns):
             gen = await engine.generate(req)
             out.append((req, gen))
-            req = extend(req, gen, prompt(hf, f"[message] turn {t}"), max_new_tokens=3 + t)
+            req = extend(req, gen, prompt(hf, f"[message] turn {t}"), max_new_tokens=budget + t)
         return out
 
     async def go():
         try:
-            return await asyncio.gather(engine.generate(long_req), *(game(r, 4) for r in starts))
+            return await asyncio.gather(engine.generate(long_req), *(game(r) for r in starts))
         finally:
             await engine.aclose()
 
     long_gen, *games = run(go())
-    assert len(long_gen.token_ids) == 160
-    assert engine._batcher.joined >= 3  # later turns joined the long row's batch
-    assert engine._batcher.batches < 1 + 3  # fewer batches than turns a game played
+    return long_gen, games
+
+
+def assert_each_as_alone(hf, pairs) -> None:
+    """Each (request, generation) equals the request run alone with the prefix cache off."""
     off = fresh(hf, prefix_cache_tokens=0)
-    (want,) = run(gather_close(fresh(off), [long_req]))
-    assert_same_generations(long_gen, want)
-    for turns in games:
-        for req, got in turns:
-            (want,) = run(gather_close(fresh(off), [req]))
-            assert_same_generations(got, want)
+    for req, got in pairs:
+        (want,) = run(gather_close(fresh(off), [req]))
+        assert_same_generations(got, want)
 
 
 def test_hf_batches_that_share_a_prefix_attend_to_it_once_and_match_single_requests(hf):
@@ -307,32 +317,12 @@ def test_hf_batches_that_share_a_prefix_attend_to_it_once_and_match_single_reque
     ]
     engine = fresh(hf)
     assert engine._shared_layout  # CPU, the tiny Qwen2 passes it down (test_decode_attention)
-
-    async def game(req: GenerationRequest, turns: int):
-        out = []
-        for t in range(turns):
-            gen = await engine.generate(req)
-            out.append((req, gen))
-            req = extend(req, gen, prompt(hf, f"[message] turn {t}"), max_new_tokens=4 + t)
-        return out
-
-    async def go():
-        try:
-            return await asyncio.gather(engine.generate(long_req), *(game(r, 4) for r in starts))
-        finally:
-            await engine.aclose()
-
-    long_gen, *games = run(go())
+    long_gen, games = games_beside_a_long_row(hf, engine, long_req, starts, budget=4)
     shared = common_prefix_len([long_req.prompt_ids, *(r.prompt_ids for r in starts)])
     assert shared >= MIN_CASCADE_PREFIX
     assert engine.shared_decode_steps > 0 and engine._batcher.joined >= 3
-    off = fresh(hf, prefix_cache_tokens=0)  # (no kept KV, so no shared columns either)
-    (want,) = run(gather_close(fresh(off), [long_req]))
-    assert_same_generations(long_gen, want)
-    for turns in games:
-        for req, got in turns:
-            (want,) = run(gather_close(fresh(off), [req]))
-            assert_same_generations(got, want)
+    # (the requests alone: no kept KV, so no shared columns either)
+    assert_each_as_alone(hf, [(long_req, long_gen), *(pair for g in games for pair in g)])
 
 
 def common_prefix_len(seqs) -> int:
