@@ -4,12 +4,14 @@ transformers' eager forward is written for every shape: per layer it builds view
 each linear layer's output back to rows, looks attention up by name and hands keyword arguments
 down, and per step it builds a 4-D mask. At a decoding step's shapes (tens of rows, one token
 each) that glue is a large share of the step on a CPU. ``LeanDecode`` runs the same arithmetic
-with the activations kept feature-major (``[hidden, rows]``), so every linear layer is one
-``W @ x`` product whose output is the next one's input with no copy (the engine's weight-major
-layout, ``hf_cpu``), q, k and v one product and gate and up another (the fused weights), the
-rotary tables computed once a step by the model's own rotary module, and attention called
-directly: the cascade over the batch's shared prefix (``hf_cpu.cascade_decode_attention``)
-or torch's SDPA with GQA.
+with the activations kept feature-major (``[hidden, rows]``): every linear layer is one
+``W @ x`` product (the engine's weight-major layout, ``hf_cpu``), q, k and v one product and
+gate and up another (the fused weights); the MLP's and the attention output's products feed the
+next one with no copy, and q, k and v are turned to rows once for attention and the cache. The
+rotary tables are computed once a step by the model's own rotary module, and attention is called
+directly: the cascade over the batch's shared prefix (``hf_cpu.cascade_decode_attention``) or
+torch's SDPA with GQA. (On the AVX2 EPYC the whole 64-game generate stage ran 97.9 -> 86.6 s
+with it, alternating in one process; docs/benchmarks.md.)
 
 It covers the architectures whose decoder layer is exactly pre-norm RMSNorm, rotary attention
 with optional q/k/v/o biases, and a gated SiLU MLP: ``LEAN_MODEL_TYPES``. The engine turns it on
