@@ -183,7 +183,9 @@ def test_a_model_hands_the_shared_prefix_to_every_layers_attention(tiny_model):
     assert not passes_shared_prefix(Strict())
 
 
-def _steps_both_ways(model, lean, shared: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _steps_both_ways(
+    model, lean, shared: int, rows: int = 5
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A batch prefilled through the model into two copies of the engine's cache (left-padded,
     or with its first ``shared`` columns the same tokens in every row and the padding after
     them), then decoding steps on one through the model and on the other through ``lean``:
@@ -194,12 +196,12 @@ def _steps_both_ways(model, lean, shared: int) -> list[tuple[torch.Tensor, torch
     from selfplay.engines.hf_kv import PreallocatedLayer, plain_cache_layers
 
     g = torch.Generator().manual_seed(shared)
-    rows, width, steps = 5, shared + 20, 4
+    width, steps = shared + 20, 4
     ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=g)
     ids[:, :shared] = ids[0, :shared]
     attn = torch.ones(rows, width, dtype=torch.long)
     for b in range(rows):
-        attn[b, shared : shared + 2 * b] = 0  # padding (after the shared columns)
+        attn[b, shared : shared + (2 * b) % 10] = 0  # padding (after the shared columns)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     caches = [
         Cache(layers=[PreallocatedLayer(width + steps) for _ in range(plain_cache_layers(model))])
@@ -223,17 +225,19 @@ def _steps_both_ways(model, lean, shared: int) -> list[tuple[torch.Tensor, torch
     return out
 
 
-@pytest.mark.parametrize("shared", [0, 70])
-def test_lean_decoding_steps_are_the_models_own_to_1e5(tiny_model, shared):
+@pytest.mark.parametrize("shared,rows", [(0, 5), (70, 5), (0, 1), (70, 2), (70, 17)])
+def test_lean_decoding_steps_are_the_models_own_to_1e5(tiny_model, shared, rows):
     """The engine's lean decoding step (hf_step: feature-major, the fused products, attention
-    called directly) gives the model's own logits, step after step, over a left-padded batch
-    and over a batch whose first columns are shared (the cascade)."""
+    called directly; fewer than MIN_COLUMNS rows computed over zero columns, one row not) gives
+    the model's own logits, step after step, over a left-padded batch and over a batch whose
+    first columns are shared (the cascade)."""
     from selfplay.engines import HFEngineConfig
     from selfplay.engines.hf import HFEngine
 
     engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32"))
     assert engine._lean is not None  # the tiny Qwen2 (q/k/v biases) passed the start-up check
-    for got, want in _steps_both_ways(engine.model, engine._lean, shared):
+    for got, want in _steps_both_ways(engine.model, engine._lean, shared, rows):
+        assert got.shape == want.shape == (rows, engine.model.config.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
