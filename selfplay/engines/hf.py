@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from selfplay.engines import KEEP_MODEL_ENV, Generation, GenerationRequest, HFEngineConfig
 from selfplay.engines.batching import Batcher
 from selfplay.engines.hf_cpu import (
+    GROUPED_SDPA,
     WEIGHT_MAJOR_MAX_ROWS,
     fuse_projections,
     grouped_sdpa,
@@ -161,7 +162,7 @@ class HFEngine(DecodeLoop):
         self._shared_layout = (
             self.device.type == "cpu"
             and bool(self._cache_layers)
-            and self.model.config._attn_implementation == grouped_sdpa()
+            and self.model.config._attn_implementation == GROUPED_SDPA
             and passes_shared_prefix(self.model)
         )
         # decoding steps without transformers' per-layer glue, where the model is one it covers

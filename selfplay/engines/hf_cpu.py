@@ -121,6 +121,10 @@ def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefi
     return out.to(query.dtype).view(b, h, 1, d)
 
 
+# the attention implementation's name that grouped_sdpa registers
+GROUPED_SDPA = "selfplay_grouped_sdpa"
+
+
 def grouped_sdpa() -> str:
     """Register and name SDPA attention that never copies KV heads for query groups.
 
@@ -163,10 +167,9 @@ def grouped_sdpa() -> str:
         )
         return out.transpose(1, 2).contiguous(), None
 
-    name = "selfplay_grouped_sdpa"
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    return name
+    AttentionInterface.register(GROUPED_SDPA, attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    return GROUPED_SDPA
 
 
 # Up to this many rows a CPU linear layer runs as weight @ input^T (see weight_major_linears).
@@ -248,11 +251,18 @@ def fuse_projections(model) -> None:
                 module.__dict__.setdefault(FUSED, {})[names] = _fuse(linears)
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stack_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights (and biases, where they have them) of linear layers that take the same input,
+    stacked: one product's weight and bias."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = (
         torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
     )
+    return weight, bias
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight, bias = stack_linears(linears)
     start = 0
     for lin in linears:
         end = start + lin.out_features

@@ -19,8 +19,10 @@ batch starts with, and every row has kept, stay in the first columns and the pad
 them, so that those columns hold the same tokens in every row:
 
     shared prefix p: [p0 p1 | pad c2 c3 | pad s0 s1]
-                     [p0 p1 | c2 c3 c4 | pad pad s0] Reused KV equals a full prefill's up to
-float rounding (it was computed in another batch), not bit for bit.
+                     [p0 p1 | c2 c3 c4 | pad pad s0]
+
+Reused KV equals a full prefill's up to float rounding (it was computed in another batch), not
+bit for bit.
 
 Two more passes keep a batch's prefill from computing what it need not (prefix cache on):
 - prompts without a kept prefix that start alike (a seat's first turn in the games of one

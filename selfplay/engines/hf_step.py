@@ -26,7 +26,13 @@ import logging
 
 import torch
 
-from selfplay.engines.hf_cpu import FUSED, SIBLINGS, SharedPrefix, cascade_decode_attention
+from selfplay.engines.hf_cpu import (
+    FUSED,
+    SIBLINGS,
+    SharedPrefix,
+    cascade_decode_attention,
+    stack_linears,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +57,7 @@ def _stacked(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor
     fused = module.__dict__.get(FUSED, {}).get(names)
     if fused is not None:
         return fused
-    linears = [getattr(module, n) for n in names]
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    biases = [lin.bias for lin in linears]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return weight, bias
+    return stack_linears([getattr(module, n) for n in names])
 
 
 def _product(weight, bias, x):
