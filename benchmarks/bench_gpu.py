@@ -84,6 +84,7 @@ ARCHS = {
 SIZES = ["tiny", *ARCHS]
 STAGES = ["generate 3x3", "generate 8x8", "convert", "train", "reload"]
 FLOP_FACTOR = {"generate 3x3": 1, "generate 8x8": 1, "train": 4, "reload": 1}
+PROFILED = ("generate 8x8", "train")  # the stages --profile traces
 
 
 def smollm2_tokenizer():
@@ -211,11 +212,22 @@ class Round:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.save(current=name)
+        profiling = self.args.profile is not None and name in PROFILED
+        if profiling:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (self.device == "cuda")
+            prof = profile(activities=acts)
+            prof.__enter__()
         sync(self.device)
         t0 = time.perf_counter()
         value, tokens, note = run()
         sync(self.device)
         seconds = time.perf_counter() - t0
+        if profiling:
+            prof.__exit__(None, None, None)
+            where = self.args.profile / f"profile_{self.args.size}_{name.split()[0]}.txt"
+            write_profile(prof, seconds, where)
         row = {"stage": name, "seconds": seconds, "tokens": tokens, "note": note}
         row["peak_gib"] = peak_memory_gib(self.device)
         self.result["stages"].append(row)
@@ -266,9 +278,11 @@ class Round:
             cfg, HFEngineConfig(model=str(model_dir), device=self.device, dtype=dtype)
         )
         tokens = engine.prefilled_tokens + engine.generated_tokens
+        steps = engine.decode_steps
         note = (
             f"{st.played} games {dict(st.outcomes)}, {engine.prefilled_tokens} prefilled + "
-            f"{engine.generated_tokens} generated tokens"
+            f"{engine.generated_tokens} generated tokens; {steps} decoding steps of "
+            f"{engine.decode_rows / max(steps, 1):.0f} rows"
         )
         return (cfg.games_path, st.played), tokens, note
 
@@ -293,7 +307,8 @@ class Round:
 
         path, n = rows
         micro = min(self.args.micro, n)
-        mini = max(micro, n // micro * micro)  # whole micro-batches, one update
+        # whole micro-batches; --steps updates of one mini-batch each
+        mini = max(micro, n // self.args.steps // micro * micro)
         lora = self.args.size in ARCHS and ARCHS[self.args.size].lora
         cfg = TrainConfig(
             data=path, model=str(model_dir), out=self.tmp / "checkpoint",
@@ -302,12 +317,17 @@ class Round:
             lora_rank=8 if lora else 0, save_verl_checkpoint=False,
         )  # fmt: skip
         result = train(cfg)
-        tokens = sum(s.tokens for s in result.steps)
-        seconds = sum(s.time_s for s in result.steps)
+        steps = result.steps
+        tokens = sum(s.tokens for s in steps)
+        rates = [f"{s.tokens / max(s.time_s, 1e-9):,.0f}" for s in steps]
         note = (
-            f"{len(result.steps)} update of {mini} rows (micro {micro}){', LoRA 8' if lora else ''}"
-            f"; {tokens / max(seconds, 1e-9):,.0f} tokens/s inside the update"
+            f"{len(steps)} update(s) of {mini} rows (micro {micro}){', LoRA 8' if lora else ''}"
+            f"; tokens/s inside each update: {', '.join(rates)}"
         )
+        if len(steps) > 1:  # the first update pays the kernels' first use; the rest run warm
+            warm = sum(s.tokens for s in steps[1:]) / sum(s.time_s for s in steps[1:])
+            factor = 3 if lora else FLOP_FACTOR["train"]
+            self.result["train_warm"] = {"tokens_per_s": warm, "flops_per_token_factor": factor}
         return result.model_dir, tokens, note
 
     def reload(self, model_dir: Path, rows):
@@ -326,6 +346,21 @@ class Round:
                 tokens += ids.shape[1]
         finite = bool(torch.isfinite(logits).all())
         return model_dir, tokens, f"{len(table)} rows forward, logits finite: {finite}"
+
+
+def write_profile(prof, seconds: float, path: Path, top: int = 25) -> None:
+    """The profiled stage's busiest operators, by time on the device (cuda) or the CPU, and how
+    much of the stage's wall time the device computed: a stage far from the chip's limit either
+    keeps the device idle (launches, host work, syncs) or runs kernels that are slow for it."""
+    events = prof.key_averages()
+    device = sum(e.self_device_time_total for e in events) / 1e6
+    host = sum(e.self_cpu_time_total for e in events) / 1e6
+    key = "self_cuda_time_total" if device > 0 else "self_cpu_time_total"
+    head = (
+        f"stage wall {seconds:.2f} s; device kernels {device:.2f} s "
+        f"({device / seconds:.1%} of the wall); host operator time {host:.2f} s\n"
+    )
+    path.write_text(head + events.table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
 def draw_rewards(path: Path, seed: int = 0) -> None:
@@ -356,6 +391,8 @@ def run_size(size: str, args, budget: float) -> dict:
             sys.executable, __file__, "--child", size, "--device", args.device,
             "--games", str(args.games), "--max-new-tokens", str(args.max_new_tokens),
             "--micro", str(args.micro), "--dtype", args.dtype, "--report", str(report),
+            "--steps", str(args.steps),
+            *(["--profile", str(args.profile)] if args.profile else []),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
         log = Path(tmp) / "child.log"
@@ -391,7 +428,13 @@ def table_rows(result: dict, peak: float) -> list[dict]:
             factor = 3
         rate = s["tokens"] / s["seconds"] if s["seconds"] > 0 else 0.0
         mfu = rate * per_token * factor / peak if factor else None
-        rows.append({**s, "size": result["size"], "tokens_per_s": rate, "mfu": mfu})
+        row = {**s, "size": result["size"], "tokens_per_s": rate, "mfu": mfu}
+        warm = result.get("train_warm") if s["stage"] == "train" else None
+        if warm:
+            flops = warm["tokens_per_s"] * per_token * warm["flops_per_token_factor"]
+            row["mfu_warm"] = flops / peak
+            row["note"] += f"; the warm updates at {row['mfu_warm']:.1%} MFU"
+        rows.append(row)
     total = sum(s["seconds"] for s in result["stages"])
     done = [s["stage"] for s in result["stages"]] == STAGES
     games = result.get("games", 0)
@@ -435,6 +478,10 @@ def main() -> None:
     ap.add_argument("--games", type=int, default=32, help="games of each table size (3x3, 8x8)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens of every turn")
     ap.add_argument("--micro", type=int, default=4, help="rows per forward/backward in train")
+    ap.add_argument("--steps", type=int, default=1, help="train updates the rows are split "
+                    "into (more than one: the warm updates' MFU is noted apart)")  # fmt: skip
+    ap.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables of "
+                    f"{' and '.join(PROFILED)} here (profile_SIZE_STAGE.txt)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sizes together")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
@@ -445,6 +492,8 @@ def main() -> None:
 
     if args.dtype == "auto":
         args.dtype = resolve_dtype("auto", args.device)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     if args.child:
         args.size = args.child
         work = args.report.parent / "round"  # the parent's folder: removed even if killed

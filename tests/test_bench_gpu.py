@@ -1,6 +1,7 @@
 """benchmarks/bench_gpu.py runs a whole round on the CPU with the tiny model, so that the GPU
 benchmark cannot rot on machines without a GPU: every stage has a positive rate and the round
-its games per hour, in the printed table and in --json."""
+its games per hour, in the printed table and in --json; the train rows split into --steps
+updates (the warm ones' MFU apart) and --profile writes the profiled stages' operator tables."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ STAGES = ["generate 3x3", "generate 8x8", "convert", "train", "reload"]
 
 
 def test_bench_gpu_on_cpu_prints_every_stage_and_games_per_hour(tmp_path):
-    out = tmp_path / "bench.json"
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
     cmd = [
         sys.executable, "benchmarks/bench_gpu.py", "--device", "cpu", "--sizes", "tiny",
         "--games", "2", "--max-new-tokens", "8", "--budget", "420", "--json", str(out),
+        "--steps", "2", "--micro", "2", "--profile", str(prof),
     ]  # fmt: skip
     env = {**os.environ, "COLUMNS": "200"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, env=env)
@@ -30,6 +32,13 @@ def test_bench_gpu_on_cpu_prints_every_stage_and_games_per_hour(tmp_path):
         assert rows[stage]["tokens_per_s"] > 0, rows[stage]
         assert rows[stage]["peak_gib"] > 0, rows[stage]
     assert rows["train"]["mfu"] > 0 and rows["convert"]["mfu"] is None
+    # 4 rows in 2 updates of 2: the second update's rate is the warm one
+    assert "2 update(s) of 2 rows" in rows["train"]["note"], rows["train"]["note"]
+    assert rows["train"]["mfu_warm"] > 0
+    assert "decoding steps of" in rows["generate 8x8"]["note"]
+    for stage in ("generate", "train"):
+        text = (prof / f"profile_tiny_{stage}.txt").read_text()
+        assert text.startswith("stage wall") and "aten::" in text, text[:500]
     assert rows["round"]["status"] == "ok" and rows["round"]["games"] == 4
     assert rows["round"]["games_per_gpu_hour"] > 0
     assert data["peak_flops"] > 0
