@@ -312,6 +312,41 @@ def test_kept_scores_are_the_full_heads_scores_at_the_kept_positions(temperature
     torch.testing.assert_close(got.log_probs[0, index], want[index])
     torch.testing.assert_close(got.entropy[0, index], -(full.exp() * full).sum(-1)[index])
     assert not got.log_probs[0, others].any() and not got.entropy[0, others].any()
+    # index None: every position kept (forward-only scoring), nothing spread
+    every = kept_scores(engine, logits.unsqueeze(0), args, None, total, entropy=True)
+    torch.testing.assert_close(every.log_probs[0], want)
+    torch.testing.assert_close(every.entropy[0], -(full.exp() * full).sum(-1))
+    # ...with the entropies (a report) only where they are read
+    some = kept_scores(
+        engine, logits.unsqueeze(0), args, None, total, entropy=True, entropy_at=index
+    )
+    torch.testing.assert_close(some.log_probs[0], want)
+    torch.testing.assert_close(some.entropy[0, index], every.entropy[0, index])
+    assert not some.entropy[0, others].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_label_log_probs_are_verls_per_position_log_probs_and_gradients(dtype, monkeypatch):
+    """verl without flash-attn loops over the packed positions one at a time; label_log_probs
+    scores blocks of positions (here 3, 3, 3 and 2 of 11) with the same values and gradients."""
+    from verl.utils import torch_functional as verl_F
+
+    from selfplay.train import lm_head
+
+    monkeypatch.setattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+    monkeypatch.setattr(verl_F, "NPU_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+    monkeypatch.setitem(lm_head._BLOCK_ELEMENTS, "cpu", 3 * 17)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(11, 17, generator=gen) * 3).to(dtype)
+    labels = torch.randint(17, (11,), generator=gen)
+    weights = torch.randn(11, generator=gen).to(dtype)
+    mine, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = lm_head.label_log_probs(mine, labels)
+    want = verl_F.logprobs_from_logits_v2(theirs, labels)
+    torch.testing.assert_close(got, want)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    torch.testing.assert_close(mine.grad, theirs.grad)
 
 
 def test_lm_head_at_trained_positions_gives_the_full_heads_loss_and_update(

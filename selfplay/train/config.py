@@ -175,7 +175,8 @@ class TrainConfig(TrainerOptions):
         "trained",
         description="where a training forward runs the LM head: trained = only at the positions "
         "whose next token the loss trains on (the same loss, fewer FLOPs; in-process launcher), "
-        "all = every position, as verl does (selfplay/train/lm_head.py)",
+        "with every forward's log-probs taken over blocks of positions instead of verl's loop "
+        "over single tokens; all = every position, verl's own path (selfplay/train/lm_head.py)",
     )
     gradient_checkpointing: bool = False
     seed: int = Field(0, ge=0, description="Seed of the update (row order, initialisation).")

@@ -125,13 +125,18 @@ class _Calls:
     ref: Any
     config: Any  # verl's actor_rollout_ref config the workers were built from
     temperature: float = 1.0  # the policy is scored at log-softmax(logits / temperature)
-    lm_head_trained = False  # training forwards run the LM head at trained positions only
+    # training forwards run the LM head at trained positions only, and every forward takes its
+    # log-probs from lm_head.label_log_probs (in-process launcher)
+    lm_head_trained = False
 
     def log_probs(self, batch: dict[str, torch.Tensor], entropy: bool = False) -> dict:
+        """Log-probs [B, R] of every response token (and, ``entropy``, the policy's entropies at
+        the trained tokens: in-process, 0 on mask-0 tokens; lm_head)."""
         td = to_tensordict(
             _model_inputs(batch), self.temperature, **_meta(calculate_entropy=entropy)
         )
-        out = self.actor.compute_log_prob(td)
+        with lm_head.positions(self.lm_head_trained):  # every position, lm_head.label_log_probs
+            out = self.actor.compute_log_prob(td)
         from verl.utils import tensordict_utils as tu
 
         result = {"log_probs": from_nested(tu.get(out, "log_probs"), td)}
@@ -145,7 +150,8 @@ class _Calls:
         from verl.utils import tensordict_utils as tu
 
         td = to_tensordict(_model_inputs(batch), self.temperature, **_meta())
-        out = self.ref.compute_ref_log_prob(td)
+        with lm_head.positions(self.lm_head_trained):
+            out = self.ref.compute_ref_log_prob(td)
         return from_nested(tu.get(out, "log_probs"), td)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> float:
