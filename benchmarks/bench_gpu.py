@@ -212,27 +212,38 @@ class Round:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.save(current=name)
-        profiling = self.args.profile is not None and name in PROFILED
-        if profiling:
-            from torch.profiler import ProfilerActivity, profile
-
-            acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (self.device == "cuda")
-            prof = profile(activities=acts)
-            prof.__enter__()
+        # the train stage over several updates profiles its second update alone (train())
+        profiling = name in PROFILED and not (name == "train" and self.args.steps > 1)
+        prof = self.profiler() if profiling else None
         sync(self.device)
         t0 = time.perf_counter()
         value, tokens, note = run()
         sync(self.device)
         seconds = time.perf_counter() - t0
-        if profiling:
-            prof.__exit__(None, None, None)
-            where = self.args.profile / f"profile_{self.args.size}_{name.split()[0]}.txt"
-            write_profile(prof, seconds, where)
+        if prof is not None:
+            self.write_profile(prof, seconds, name)
         row = {"stage": name, "seconds": seconds, "tokens": tokens, "note": note}
         row["peak_gib"] = peak_memory_gib(self.device)
         self.result["stages"].append(row)
         self.save(current=None)
         return value
+
+    def profiler(self):
+        """A started torch.profiler (CPU, and CUDA on cuda), or None without ``--profile``."""
+        if self.args.profile is None:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (self.device == "cuda")
+        prof = profile(activities=acts)
+        prof.__enter__()
+        return prof
+
+    def write_profile(self, prof, seconds: float, name: str, what: str = "stage") -> None:
+        sync(self.device)
+        prof.__exit__(None, None, None)
+        where = self.args.profile / f"profile_{self.args.size}_{name.split()[0]}.txt"
+        write_profile(prof, seconds, where, what)
 
     def run(self) -> None:
         args = self.args
@@ -316,7 +327,17 @@ class Round:
             micro_batch_size=micro, dtype=self.args.dtype, lr=1e-5,
             lora_rank=8 if lora else 0, save_verl_checkpoint=False,
         )  # fmt: skip
-        result = train(cfg)
+        traced = {}
+
+        def second_update_profiled(metrics, total: int) -> None:
+            """--profile with --steps > 1: trace the second update, the first warm one."""
+            if metrics.step == 1 and total > 1:
+                traced["prof"] = self.profiler()
+            elif traced.get("prof") is not None:
+                prof = traced.pop("prof")
+                self.write_profile(prof, metrics.time_s, "train", "the second update")
+
+        result = train(cfg, on_step=second_update_profiled if self.args.steps > 1 else None)
         steps = result.steps
         tokens = sum(s.tokens for s in steps)
         rates = [f"{s.tokens / max(s.time_s, 1e-9):,.0f}" for s in steps]
@@ -348,7 +369,7 @@ class Round:
         return model_dir, tokens, f"{len(table)} rows forward, logits finite: {finite}"
 
 
-def write_profile(prof, seconds: float, path: Path, top: int = 25) -> None:
+def write_profile(prof, seconds: float, path: Path, what: str = "stage", top: int = 25) -> None:
     """The profiled stage's busiest operators, by time on the device (cuda) or the CPU, and how
     much of the stage's wall time the device computed: a stage far from the chip's limit either
     keeps the device idle (launches, host work, syncs) or runs kernels that are slow for it."""
@@ -357,7 +378,7 @@ def write_profile(prof, seconds: float, path: Path, top: int = 25) -> None:
     host = sum(e.self_cpu_time_total for e in events) / 1e6
     key = "self_cuda_time_total" if device > 0 else "self_cpu_time_total"
     head = (
-        f"stage wall {seconds:.2f} s; device kernels {device:.2f} s "
+        f"{what}: wall {seconds:.2f} s; device kernels {device:.2f} s "
         f"({device / seconds:.1%} of the wall); host operator time {host:.2f} s\n"
     )
     path.write_text(head + events.table(sort_by=key, row_limit=top, max_name_column_width=60))
@@ -481,7 +502,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1, help="train updates the rows are split "
                     "into (more than one: the warm updates' MFU is noted apart)")  # fmt: skip
     ap.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables of "
-                    f"{' and '.join(PROFILED)} here (profile_SIZE_STAGE.txt)")  # fmt: skip
+                    f"{' and '.join(PROFILED)} here (profile_SIZE_STAGE.txt; with --steps > 1, "
+                    "of train's second update alone)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sizes together")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
