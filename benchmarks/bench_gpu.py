@@ -215,13 +215,15 @@ class Round:
         # the train stage over several updates profiles its second update alone (train())
         profiling = name in PROFILED and not (name == "train" and self.args.steps > 1)
         prof = self.profiler() if profiling else None
+        self.profiler_s = 0.0  # the profiler's own start, stop and tables inside run(): untimed
         sync(self.device)
         t0 = time.perf_counter()
         value, tokens, note = run()
         sync(self.device)
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 - self.profiler_s
         if prof is not None:
             self.write_profile(prof, seconds, name)
+            note += "; timed under the profiler"
         row = {"stage": name, "seconds": seconds, "tokens": tokens, "note": note}
         row["peak_gib"] = peak_memory_gib(self.device)
         self.result["stages"].append(row)
@@ -330,14 +332,23 @@ class Round:
         traced = {}
 
         def second_update_profiled(metrics, total: int) -> None:
-            """--profile with --steps > 1: trace the second update, the first warm one."""
+            """--profile with --steps > 1: trace the second update, the first warm one (its
+            time is left out of the warm updates' rate; the profiler's own, of the stage's)."""
+            t0 = time.perf_counter()
             if metrics.step == 1 and total > 1:
                 traced["prof"] = self.profiler()
             elif traced.get("prof") is not None:
                 prof = traced.pop("prof")
                 self.write_profile(prof, metrics.time_s, "train", "the second update")
+                traced["step"] = metrics.step
+            self.profiler_s += time.perf_counter() - t0
 
-        result = train(cfg, on_step=second_update_profiled if self.args.steps > 1 else None)
+        profiled = self.args.profile is not None and self.args.steps > 1
+        try:
+            result = train(cfg, on_step=second_update_profiled if profiled else None)
+        finally:
+            if traced.get("prof") is not None:  # train failed mid-trace: the profiler stops
+                traced.pop("prof").__exit__(None, None, None)
         steps = result.steps
         tokens = sum(s.tokens for s in steps)
         rates = [f"{s.tokens / max(s.time_s, 1e-9):,.0f}" for s in steps]
@@ -345,8 +356,12 @@ class Round:
             f"{len(steps)} update(s) of {mini} rows (micro {micro}){', LoRA 8' if lora else ''}"
             f"; tokens/s inside each update: {', '.join(rates)}"
         )
-        if len(steps) > 1:  # the first update pays the kernels' first use; the rest run warm
-            warm = sum(s.tokens for s in steps[1:]) / sum(s.time_s for s in steps[1:])
+        if profiled and "step" not in traced:
+            note += "; not profiled: one update"
+        # the first update pays the kernels' first use; the rest run warm (not the profiled one)
+        warm_steps = [s for s in steps[1:] if s.step != traced.get("step")]
+        if warm_steps:
+            warm = sum(s.tokens for s in warm_steps) / sum(s.time_s for s in warm_steps)
             factor = 3 if lora else FLOP_FACTOR["train"]
             self.result["train_warm"] = {"tokens_per_s": warm, "flops_per_token_factor": factor}
         return result.model_dir, tokens, note
@@ -373,8 +388,17 @@ def write_profile(prof, seconds: float, path: Path, what: str = "stage", top: in
     """The profiled stage's busiest operators, by time on the device (cuda) or the CPU, and how
     much of the stage's wall time the device computed: a stage far from the chip's limit either
     keeps the device idle (launches, host work, syncs) or runs kernels that are slow for it."""
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
-    device = sum(e.self_device_time_total for e in events) / 1e6
+    # as torch's table totals it: kernel and copy events alone (an operator's row repeats the time
+    # of the kernels it launched)
+    device = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
+    device /= 1e6
     host = sum(e.self_cpu_time_total for e in events) / 1e6
     key = "self_cuda_time_total" if device > 0 else "self_cpu_time_total"
     head = (

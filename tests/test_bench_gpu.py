@@ -20,7 +20,7 @@ def test_bench_gpu_on_cpu_prints_every_stage_and_games_per_hour(tmp_path):
     cmd = [
         sys.executable, "benchmarks/bench_gpu.py", "--device", "cpu", "--sizes", "tiny",
         "--games", "2", "--max-new-tokens", "8", "--budget", "420", "--json", str(out),
-        "--steps", "2", "--micro", "2", "--profile", str(prof),
+        "--steps", "4", "--micro", "1", "--profile", str(prof),
     ]  # fmt: skip
     env = {**os.environ, "COLUMNS": "200"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, env=env)
@@ -32,13 +32,14 @@ def test_bench_gpu_on_cpu_prints_every_stage_and_games_per_hour(tmp_path):
         assert rows[stage]["tokens_per_s"] > 0, rows[stage]
         assert rows[stage]["peak_gib"] > 0, rows[stage]
     assert rows["train"]["mfu"] > 0 and rows["convert"]["mfu"] is None
-    # 4 rows in 2 updates of 2: the second update's rate is the warm one
-    assert "2 update(s) of 2 rows" in rows["train"]["note"], rows["train"]["note"]
+    # 4 rows in 4 updates of 1: the second is profiled, the third and fourth give the warm rate
+    assert "4 update(s) of 1 rows" in rows["train"]["note"], rows["train"]["note"]
     assert rows["train"]["mfu_warm"] > 0
+    assert "timed under the profiler" in rows["generate 8x8"]["note"]
     assert "decoding steps of" in rows["generate 8x8"]["note"]
     generate = (prof / "profile_tiny_generate.txt").read_text()
     assert generate.startswith("stage: wall") and "aten::" in generate, generate[:500]
-    # over 2 updates, the second alone is traced
+    # over several updates, the second alone is traced
     train = (prof / "profile_tiny_train.txt").read_text()
     assert train.startswith("the second update: wall") and "aten::" in train, train[:500]
     assert rows["round"]["status"] == "ok" and rows["round"]["games"] == 4

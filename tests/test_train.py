@@ -366,8 +366,16 @@ def test_lm_head_at_trained_positions_gives_the_full_heads_loss_and_update(
         return index
 
     monkeypatch.setattr(lm_head, "kept_positions", record)
+    scored: dict[str, list[bool]] = {"all": [], "trained": []}  # kept_scores calls: every position?
+    real_scores = lm_head.kept_scores
+
+    def spy(engine, logits, output_args, index, total, **kw):
+        scored[mode].append(index is None)
+        return real_scores(engine, logits, output_args, index, total, **kw)
+
+    monkeypatch.setattr(lm_head, "kept_scores", spy)
     rows = planted_rows()
-    got = {}
+    got, reports = {}, {}
     for mode in ("all", "trained"):
         cfg = TrainConfig(
             data=tmp_path / "x.parquet", model=str(tiny_model), out=tmp_path / mode, lr=1e-3,
@@ -375,7 +383,15 @@ def test_lm_head_at_trained_positions_gives_the_full_heads_loss_and_update(
         )  # fmt: skip
         workers = LocalWorkers(cfg, total_steps=10)
         batch = batch_with_advantages(rows)
-        batch["old_log_probs"] = workers.log_probs(batch)["log_probs"] - 0.05  # ratios off 1
+        before = len(scored[mode])
+        scoring = workers.log_probs(batch, entropy=True)  # forward-only: every position
+        # the trained mode scores these through kept_scores (blocks, not verl's per-token loop)
+        if mode == "trained":
+            assert len(scored[mode]) > before and all(scored[mode][before:]), scored
+        mask = batch["response_mask"].float()
+        entropy = (scoring["entropy"] * mask).sum() / mask.sum()
+        reports[mode] = scoring["log_probs"] * mask, entropy
+        batch["old_log_probs"] = scoring["log_probs"] - 0.05  # ratios off 1
         ppo = workers.loss(batch)
         workers.update(update_inputs(batch), mini_batch_size=len(batch["prompts"]), seed=0)
         weights = workers.full_state_dict()
@@ -385,6 +401,10 @@ def test_lm_head_at_trained_positions_gives_the_full_heads_loss_and_update(
         workers.close()
     # the trained mode kept the mask-1 positions only: 3 of each row's 9 (PROMPT + response)
     assert kept and all(n == 3 * total // 9 for total, n in kept), kept
+    assert not scored["all"] and scored["trained"], scored  # verl's own path in "all" mode
+    # forward-only scoring: verl's log-probs, and the entropy report (trained tokens) its mean
+    torch.testing.assert_close(reports["trained"][0], reports["all"][0])
+    torch.testing.assert_close(reports["trained"][1], reports["all"][1])
     assert got["trained"][0] == pytest.approx(got["all"][0], rel=1e-5, abs=1e-7)
     assert got["trained"][1] == pytest.approx(got["all"][1], rel=1e-5)
     # float rounding only: Adam turns a gradient near its epsilon into a step of about lr (1e-3)

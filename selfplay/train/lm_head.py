@@ -189,9 +189,16 @@ def label_log_probs(
     position (verl's formula for the dtype: logit - logsumexp in fp32/fp64, else log-softmax and
     gather) over blocks of positions instead of verl's loop over single positions (module
     docstring). Where verl would use a fused cross-entropy kernel (flash-attn, NPU), verl's own."""
+    import os
+
     from verl.utils import torch_functional as verl_F
 
-    if verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE or verl_F.NPU_CROSS_ENTROPY_LOSS_AVAILABLE:
+    # verl's own condition for its fused kernels (VERL_DISABLE_FLASH_ATTN_CE=1 turns flash-attn's
+    # off, and then verl would loop: the blocks below serve it instead)
+    flash = verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE and (
+        os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+    )
+    if flash or verl_F.NPU_CROSS_ENTROPY_LOSS_AVAILABLE:
         return verl_F.logprobs_from_logits(logits, labels, inplace_backward=inplace_backward)
     budget = _BLOCK_ELEMENTS.get(logits.device.type, _BLOCK_ELEMENTS_DEFAULT)
     rows = max(1, budget // max(1, logits.shape[-1]))
