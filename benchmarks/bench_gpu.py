@@ -538,6 +538,8 @@ def main() -> None:
 
     if args.dtype == "auto":
         args.dtype = resolve_dtype("auto", args.device)
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be 1 or more, not {args.steps}")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     if args.child:
