@@ -222,7 +222,7 @@ class Round:
         sync(self.device)
         seconds = time.perf_counter() - t0 - self.profiler_s
         if prof is not None:
-            self.write_profile(prof, seconds, name)
+            self.stop_profile(prof, seconds, name)
             note += "; timed under the profiler"
         row = {"stage": name, "seconds": seconds, "tokens": tokens, "note": note}
         row["peak_gib"] = peak_memory_gib(self.device)
@@ -241,7 +241,8 @@ class Round:
         prof.__enter__()
         return prof
 
-    def write_profile(self, prof, seconds: float, name: str, what: str = "stage") -> None:
+    def stop_profile(self, prof, seconds: float, name: str, what: str = "stage") -> None:
+        """Stop ``prof`` and write its table for stage ``name`` (write_profile)."""
         sync(self.device)
         prof.__exit__(None, None, None)
         where = self.args.profile / f"profile_{self.args.size}_{name.split()[0]}.txt"
@@ -339,7 +340,7 @@ class Round:
                 traced["prof"] = self.profiler()
             elif traced.get("prof") is not None:
                 prof = traced.pop("prof")
-                self.write_profile(prof, metrics.time_s, "train", "the second update")
+                self.stop_profile(prof, metrics.time_s, "train", "the second update")
                 traced["step"] = metrics.step
             self.profiler_s += time.perf_counter() - t0
 
