@@ -228,7 +228,8 @@ def _steps_both_ways(
 @pytest.mark.parametrize("shared,rows", [(0, 5), (70, 5), (0, 1), (70, 2), (70, 17)])
 def test_lean_decoding_steps_are_the_models_own_to_1e5(tiny_model, shared, rows):
     """The engine's lean decoding step (hf_step: feature-major, the fused products, attention
-    called directly; fewer than MIN_COLUMNS rows computed over zero columns, one row not) gives
+    called directly; rows padded with zero columns to MIN_COLUMNS or the next multiple of
+    COLUMN_MULTIPLE, one row not) gives
     the model's own logits, step after step, over a left-padded batch and over a batch whose
     first columns are shared (the cascade)."""
     from selfplay.engines import HFEngineConfig

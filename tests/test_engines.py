@@ -15,6 +15,8 @@ from typing import ClassVar
 import httpx
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from selfplay.engines import (
     EngineFailure,
@@ -960,3 +962,28 @@ def test_preallocated_layer_moves_rows_into_holes_and_keeps_the_rest():
     assert torch.equal(layer.keys, keys[[3, 1, 4]]) and torch.equal(layer.values, -keys[[3, 1, 4]])
     layer.update(torch.ones(3, 2, 1, 3), torch.ones(3, 2, 1, 3))  # decoding goes on after it
     assert layer.keys.shape == (3, 2, 5, 3) and torch.equal(layer.keys[:, :, :4], keys[[3, 1, 4]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=24).filter(any), st.integers(0, 2))
+def test_a_rows_kv_is_its_real_columns_in_order_pads_and_holes_dropped(mask, row):
+    """A finished row's KV for the prefix cache: its columns under mask 1, in order, every
+    layer, as a new tensor (the batch's room may be reused)."""
+    from transformers import Cache
+
+    from selfplay.engines.hf_kv import PreallocatedLayer, real_runs, row_kv
+
+    width = len(mask)
+    cache = Cache(layers=[PreallocatedLayer(width + 2) for _ in range(2)])
+    for i, layer in enumerate(cache.layers):
+        keys = torch.randn(3, 2, width, 4, generator=torch.Generator().manual_seed(i))
+        layer.update(keys, keys + 100)
+    attn = torch.tensor(mask, dtype=torch.long)
+    real = [i for i, m in enumerate(mask) if m]
+    assert [i for start, end in real_runs(attn) for i in range(start, end)] == real
+    got = row_kv(cache, row, attn)
+    want = torch.stack(
+        [torch.stack((la.keys[row][:, real], la.values[row][:, real])) for la in cache.layers]
+    )
+    assert torch.equal(got, want)
+    assert got.untyped_storage().data_ptr() != cache.layers[0]._keys.untyped_storage().data_ptr()

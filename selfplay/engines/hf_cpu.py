@@ -113,12 +113,30 @@ def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefi
                 own = torch.zeros(own.shape, dtype=query.dtype).masked_fill_(~own, float("-inf"))
             shared._mask = (mask, own.to(query.dtype))
         cut = shared._mask[1]
-    o_own, lse_own = _flash(query, key[:, :, p:], value[:, :, p:], attn_mask=cut, scale=scale)
+    o_own, lse_own = grouped_flash(query, key[:, :, p:], value[:, :, p:], cut, scale)
     o_shared = o_shared[0].transpose(0, 1)  # [B, H, D]
-    weight = torch.sigmoid(lse_shared[0].transpose(0, 1) - lse_own.view(b, h))[..., None]
-    o_own = o_own.view(b, h, d)
+    weight = torch.sigmoid(lse_shared[0].transpose(0, 1) - lse_own)[..., None]
     out = o_own + weight * (o_shared - o_own)
     return out.to(query.dtype).view(b, h, 1, d)
+
+
+def grouped_flash(query, key, value, mask, scale):
+    """Attention of one new token a row over its own KV by torch's CPU flash kernel, a KV head's
+    group of query heads passed as that head's query length: ``[B, H, 1, D]`` queries (head dims
+    contiguous) over ``[B, Hkv, L, D]`` keys and values; ``mask`` additive ``[B, 1, 1, L]`` or
+    None. Returns the output ``[B, H, D]`` and its log-sum-exp ``[B, H]``.
+
+    The kernel runs a task per (row, head, query block), and at one query a task its per-task
+    cost outweighs reading the KV: with the group as the query length it runs a task per (row,
+    KV head). Query head ``h`` uses KV head ``h // (H / Hkv)`` (transformers' order), so the
+    grouping is a view. On the AVX2 EPYC (2 threads, SmolLM2-135M's shapes, 56 rows over 230
+    own positions after a 240-column shared prefix) a step's cascade attention over 30 layers
+    took 108 -> 89 ms with it (benchmarks/bench_decode_attention.py)."""
+    b, h, _, d = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.view(b, kv_heads, h // kv_heads, d)
+    out, lse = _flash(grouped, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, d), lse.reshape(b, h)
 
 
 # the attention implementation's name that grouped_sdpa registers

@@ -220,7 +220,24 @@ class PreallocatedLayer(DynamicLayer):
 def row_kv(cache, b: int, attn_row):
     """Batch row ``b``'s KV over its real tokens (mask 1), pads and holes dropped: a new tensor
     ``[layers, 2, kv heads, tokens, head dim]`` that does not hold the batch cache alive."""
-    real = attn_row.nonzero()[:, 0]
-    return torch.stack(
-        [torch.stack((layer.keys[b][:, real], layer.values[b][:, real])) for layer in cache.layers]
+    runs = real_runs(attn_row)
+    first = cache.layers[0].keys
+    tokens = sum(end - start for start, end in runs)
+    out = first.new_empty((len(cache.layers), 2, first.shape[1], tokens, first.shape[-1]))
+    for layer, room in zip(cache.layers, out):
+        at = 0
+        for start, end in runs:  # a row's real tokens are a few runs: slices, not a gather
+            room[0, :, at : at + end - start] = layer.keys[b, :, start:end]
+            room[1, :, at : at + end - start] = layer.values[b, :, start:end]
+            at += end - start
+    return out
+
+
+def real_runs(attn_row: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``[start, end)`` runs of a mask row's 1s, in order (a batch row: its shared prefix,
+    its kept KV, its new tokens, with padding between)."""
+    edges = torch.diff(
+        attn_row.bool().long(), prepend=attn_row.new_zeros(1), append=attn_row.new_zeros(1)
     )
+    starts, ends = (edges == 1).nonzero()[:, 0].tolist(), (edges == -1).nonzero()[:, 0].tolist()
+    return list(zip(starts, ends))

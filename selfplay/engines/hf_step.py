@@ -31,6 +31,7 @@ from selfplay.engines.hf_cpu import (
     SIBLINGS,
     SharedPrefix,
     cascade_decode_attention,
+    grouped_flash,
     stack_linears,
 )
 
@@ -44,6 +45,10 @@ LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # threads, the AVX2 EPYC). A warm-started 64-game round, half its steps under 16 rows: the
 # lean steps took 90.5 -> 75.4 s, the same games.
 MIN_COLUMNS = 16
+# and past that, a multiple of this many: MKL ran W @ x at 42 columns at 67-84 GFLOP/s against
+# 83-105 at 48 (the same shapes and CPU), and a whole lean step at 19, 43, 53, 57 and 61 rows
+# took 1.09-1.23x less time padded so (1.0x at multiples of 8).
+COLUMN_MULTIPLE = 8
 # vocabulary rows of the LM head a product at a time (LeanDecode._logits)
 LM_HEAD_SLICE = 4096
 # True: the engine's decoding steps run LeanDecode where it passed its check; read at call time,
@@ -128,8 +133,13 @@ class LeanDecode:
         cos, sin = cos.view(rows, 1, dim), sin.view(rows, 1, dim)
         mask = attn.bool()[:, None, None, :]
         prefix = SharedPrefix(shared) if shared else None
-        # [hidden, columns]: the rows, and zero columns up to MIN_COLUMNS (ignored at the end)
-        columns = rows if rows == 1 else max(rows, MIN_COLUMNS)
+        # the flash kernel's additive mask, for attention without a shared prefix
+        cut = None if prefix else x.new_zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+        # [hidden, columns]: the rows, then zero columns (ignored at the end) up to MIN_COLUMNS
+        # or the next multiple of COLUMN_MULTIPLE
+        columns = (
+            rows if rows == 1 else max(-(-rows // COLUMN_MULTIPLE) * COLUMN_MULTIPLE, MIN_COLUMNS)
+        )
         h = x.new_zeros((x.shape[1], columns))
         h[:, :rows] = x.t()
         attended = x.new_zeros((heads * dim, columns))  # attention's output, feature-major
@@ -146,9 +156,7 @@ class LeanDecode:
             if prefix is not None:
                 out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix)
             else:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=True
-                )
+                out = grouped_flash(q, keys, values, cut, layer.scaling)[0]
             attended[:, :rows] = out.reshape(rows, heads * dim).t()
             h = h + _product(*layer.o, attended)
             n = _rms_norm(h, layer.norm2, layer.eps2)
