@@ -170,18 +170,17 @@ class Prefill:
         DynamicCache for models with other layers."""
         if not self._cache_layers:
             return DynamicCache(config=self.model.config)
-        cache = Cache(layers=[PreallocatedLayer(capacity) for _ in range(self._cache_layers)])
-        if past:
-            some = next(kv for kv in kept if kv is not None)
-            layers, _, heads, _, dim = some.shape
-            kv = some.new_zeros((layers, 2, len(kept), heads, past, dim))
-            for i, row in enumerate(kept):
-                if row is not None:
-                    kv[:, :, i, :, :shared] = row[..., :shared, :]
-                    kv[:, :, i, :, past - row.shape[-2] + shared :] = row[..., shared:, :]
-            for layer, (keys, values) in zip(cache.layers, kv):
-                layer.update(keys, values)
-        return cache
+        if not past:
+            return Cache(layers=[PreallocatedLayer(capacity) for _ in range(self._cache_layers)])
+        some = next(kv for kv in kept if kv is not None)
+        return Cache(
+            layers=[
+                PreallocatedLayer.padded(
+                    [None if kv is None else kv[i] for kv in kept], some[i], past, capacity, shared
+                )
+                for i in range(self._cache_layers)
+            ]
+        )
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
