@@ -333,7 +333,7 @@ def _sample(logits, temps, top_p, u):
     scaled = logits
     if bool((temps != 1).any()):
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    top = scaled.max(-1, keepdim=True).values
+    top = scaled.amax(-1, keepdim=True)  # (max with indices took 15x as long at 56 x 49,152)
     weights = (scaled - top).exp_()  # unnormalised probabilities
     total = weights.sum(-1, keepdim=True)
     lse = top + total.log()
