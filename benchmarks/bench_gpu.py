@@ -94,7 +94,7 @@ def smollm2_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from selfplay.models import cache_root
+    from selfplay.hardware import cache_root
 
     prepared = cache_root() / "smollm2-135m-instruct"
     if (prepared / "tokenizer_config.json").exists():
@@ -535,7 +535,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--report", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from selfplay.hardware import resolve_dtype
+    from selfplay.hardware import cpu_name, resolve_dtype
 
     if args.dtype == "auto":
         args.dtype = resolve_dtype("auto", args.device)
@@ -576,13 +576,6 @@ def main() -> None:
         meta = {"device": args.device, "chip": chip, "dtype": args.dtype, "peak_flops": peak,
                 "games": args.games, "max_new_tokens": args.max_new_tokens}  # fmt: skip
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return "cpu"
 
 
 if __name__ == "__main__":

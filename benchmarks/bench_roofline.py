@@ -66,7 +66,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from selfplay.hardware import cpu_flags, resolve_dtype
+from selfplay.hardware import cpu_flags, cpu_name, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,13 +199,6 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
 
 def limit_tokens_per_s(gflops: float, factor: int) -> float:
     return gflops * 1e9 / (FWD_FLOPS_PER_TOKEN * factor)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return "unknown"
 
 
 def stage_generate(model: str, dtype: str, tmp: Path):

@@ -1,12 +1,17 @@
 """The compute dtype a machine runs fastest: bf16 where it is native, fp32 otherwise.
 
-One rule for the trainer (``--dtype auto``) and the hf engine (``dtype="auto"``):
+The rule for the trainer (``--dtype auto``) and the hf engine (``dtype="auto"``):
 - a CUDA device: bf16 when the GPU supports it (every GPU since Ampere), else fp32;
 - a CPU: bf16 only when the processor has native bf16 instructions (``avx512_bf16`` or
   ``amx_bf16`` among its flags, as on Intel Sapphire Rapids and AMD Zen 4 or newer), fp32
   otherwise. Measured on 2 cores: with AMX, SmolLM2-135M generates 2.1x faster in bf16 than
   fp32 and trains 1.5x faster; on an AVX2-only CPU, bf16 matmul emulated in software runs at
   1-18 GFLOP/s against 100-130 in fp32, and one SFT step took over 300 s against 20 s.
+
+On a CPU with native bf16 the hf engine does not take the flags' word for it: its fast decoding
+path is fp32, and generation there ran 1.2-1.65x faster in fp32 on one AVX-512 BF16 CPU, so it
+measures both dtypes once per CPU and model shape and keeps the faster
+(``selfplay.engines.hf_dtype``).
 
 The probe also reads oneDNN's instruction-set cap (``ONEDNN_MAX_CPU_ISA``, the library torch
 computes bf16 matmuls with on CPU): a cap below AVX512_CORE_BF16 leaves bf16 emulated, so the
@@ -50,17 +55,28 @@ OVERRIDE_ENV = "SELFPLAY_NATIVE_BF16"
 CPUINFO = Path("/proc/cpuinfo")
 
 
-def cpu_flags() -> frozenset[str]:
-    """The processor's feature flags (Linux ``/proc/cpuinfo``; empty where there is none)."""
+def _cpuinfo(keys: tuple[str, ...]) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line whose key is one of ``keys`` (None: no
+    such line, or no such file)."""
     try:
         text = CPUINFO.read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags (Linux ``/proc/cpuinfo``; empty where there is none)."""
+    return frozenset((_cpuinfo(("flags", "Features")) or "").split())
+
+
+def cpu_name() -> str:
+    """The processor's model name, as ``lscpu`` shows it ("unknown" where it is not said)."""
+    return _cpuinfo(("model name",)) or "unknown"
 
 
 @functools.cache
@@ -92,6 +108,12 @@ def resolve_dtype(requested: str | None, device: str) -> Dtype:
     if requested not in ("fp32", "bf16"):
         raise ValueError(f"unknown dtype {requested!r}: auto, fp32 or bf16")
     return requested  # type: ignore[return-value]
+
+
+def cache_root() -> Path:
+    """Where this machine keeps what selfplay prepares once (the embedded model converted to
+    safetensors, the engine's measured dtype): $SELFPLAY_CACHE, else ~/.cache/selfplay."""
+    return Path(os.environ.get("SELFPLAY_CACHE", Path.home() / ".cache" / "selfplay"))
 
 
 def usable_cores() -> int:

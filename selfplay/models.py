@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from selfplay.errors import UserError
+from selfplay.hardware import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,6 @@ CHATML_TEMPLATE = (
 class ModelNotFound(UserError, RuntimeError):
     """A model given as a local path that is not there or holds no model, or the embedded default
     that cannot be prepared (its wheel is missing or broken)."""
-
-
-def cache_root() -> Path:
-    """Where prepared models live: $SELFPLAY_CACHE, else ~/.cache/selfplay."""
-    return Path(os.environ.get("SELFPLAY_CACHE", Path.home() / ".cache" / "selfplay"))
 
 
 def embedded_model_dir(cache: Path | None = None) -> Path:

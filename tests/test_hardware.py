@@ -87,17 +87,90 @@ def test_older_names_read_as_the_rule_or_its_dtype():
         HFEngineConfig(model="m", dtype="float16")
 
 
-def test_the_hf_engine_loads_in_the_dtype_the_rule_picks(cpu, tiny_model):
+def test_the_hf_engine_loads_in_the_dtype_the_rule_picks(cpu, tiny_model, monkeypatch, tmp_path):
+    """On a CPU without native bf16, fp32 and nothing measured; on one with it (auto), the
+    faster of the two as measured, kept per CPU and model shape so that the next engine reads
+    it; an explicit dtype is never measured."""
+    import orjson
     import torch
 
+    from selfplay.engines import hf_dtype
     from selfplay.engines.hf import HFEngine
 
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "cache"))
+    timings: list[dict] = []
+
+    def measured(build):
+        assert timings, "measured where the verdict was kept or no measurement was due"
+        return timings.pop()
+
+    monkeypatch.setattr(hf_dtype, "measure", measured)
     cpu(AVX2_ONLY)
     engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu"))
     assert engine.dtype == "fp32" and next(engine.model.parameters()).dtype == torch.float32
     cpu(SAPPHIRE)
+    timings.append({"fp32": 1.0, "bf16": 0.5})
     engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu"))
     assert engine.dtype == "bf16" and next(engine.model.parameters()).dtype == torch.bfloat16
+    kept = orjson.loads(hf_dtype.choices_path().read_bytes())
+    assert [v["dtype"] for v in kept.values()] == ["bf16"]
+    assert [v["seconds"] for v in kept.values()] == [{"fp32": 1.0, "bf16": 0.5}]
+    assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"  # kept
+    explicit = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32"))
+    assert explicit.dtype == "fp32"
+    # another thread count is another verdict; bf16 within the margin of fp32 is not chosen
+    timings.append({"fp32": 1.0, "bf16": 0.97})
+    one = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", cpu_threads=1))
+    assert one.dtype == "fp32" and len(orjson.loads(hf_dtype.choices_path().read_bytes())) == 2
+    assert not timings
+    # a verdict that is not a dtype is measured again
+    kept = orjson.loads(hf_dtype.choices_path().read_bytes())
+    hf_dtype.choices_path().write_bytes(orjson.dumps({k: {"dtype": "fp16"} for k in kept}))
+    timings.append({"fp32": 1.0, "bf16": 0.5})
+    assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"
+    assert not timings
+    # no memory for two more copies of the model: the flags' rule, nothing measured
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(hf_dtype, "available_memory", lambda device: 1)
+    assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"
+    assert not hf_dtype.choices_path().exists()
+
+
+def test_the_engines_dtype_measurement_times_both_dtypes_through_the_engine(
+    cpu, tiny_model, monkeypatch, tmp_path
+):
+    """The real measurement (no stand-in): a batch through an engine of each dtype, timed; the
+    verdict follows the margin rule, and an unreadable verdict file is measured again."""
+    import orjson
+
+    from selfplay.engines import hf_dtype
+    from selfplay.engines.hf import HFEngine
+
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(hf_dtype, "ROUNDS", 1)
+    built: list[str] = []
+    real = hf_dtype.measure
+    monkeypatch.setattr(
+        hf_dtype, "measure", lambda build: real(lambda d: built.append(d) or build(d))
+    )
+    cpu(ZEN4)
+    hf_dtype.choices_path().write_text("not json")
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu"))
+    assert sorted(built) == ["bf16", "fp32"]
+    (verdict,) = orjson.loads(hf_dtype.choices_path().read_bytes()).values()
+    seconds = verdict["seconds"]
+    assert seconds["fp32"] > 0 and seconds["bf16"] > 0
+    faster = "bf16" if seconds["bf16"] < hf_dtype.MARGIN * seconds["fp32"] else "fp32"
+    assert engine.dtype == verdict["dtype"] == faster
+
+
+def test_the_cpus_name_is_read(cpu):
+    cpu("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2\n")
+    assert hardware.cpu_name() == "AMD EPYC 9B14" and "avx2" in hardware.cpu_flags()
+    cpu(AVX2_ONLY)
+    assert hardware.cpu_name() == "unknown"
+    cpu(None)
+    assert hardware.cpu_name() == "unknown" and hardware.cpu_flags() == frozenset()
 
 
 def test_this_machine_is_read():

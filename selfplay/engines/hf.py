@@ -29,6 +29,7 @@ from selfplay.engines.hf_cpu import (
     weight_major_linears,
 )
 from selfplay.engines.hf_decode import DecodeLoop
+from selfplay.engines.hf_dtype import engine_dtype
 from selfplay.engines.hf_kv import (
     AUTO_PREFIX_MIN_TOKENS,
     AUTO_PREFIX_SHARE,
@@ -120,8 +121,17 @@ class HFEngine(DecodeLoop):
             threads = config.cpu_threads or usable_cores()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-        # auto: bf16 where the device computes it natively (selfplay.hardware)
-        self.dtype = resolve_dtype(config.dtype, str(self.device))
+        # auto: bf16 where the device computes it natively (selfplay.hardware); on a CPU that
+        # does, the faster of fp32 and bf16 for this model, measured once (hf_dtype)
+        if model is None:
+            threads = torch.get_num_threads()
+            measured = {"prefix_cache_tokens": 0, "cpu_threads": threads}
+            self.dtype = engine_dtype(
+                config.dtype, self.device.type, config.model, threads,
+                lambda d: HFEngine(config.model_copy(update={**measured, "dtype": d})),
+            )  # fmt: skip
+        else:
+            self.dtype = resolve_dtype(config.dtype, str(self.device))
         dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
         if model is None:
             model, tokenizer = _load(config.model, dtype, tokenizer)

@@ -1,0 +1,156 @@
+"""The hf engine's dtype on a CPU with native bf16: chosen by measurement, not by the flags alone.
+
+``selfplay.hardware`` picks bf16 wherever the processor computes it natively, and that holds for
+training and for a GPU. For generation on a CPU it does not always: the engine's fast decoding
+path (``hf_step.LeanDecode``, the weight-major products, the cascade attention) is fp32, and
+attention at decoding shapes is slower in bf16. On an AVX-512 BF16 CPU 16 games generated
+1.2-1.65x faster in fp32 than in bf16 (issue 50); with AMX, bf16 generated 2.1x faster. So where
+the engine's dtype is ``auto``, the device a CPU and the CPU native in bf16, the engine times a
+short batch of its own work (prefill and decoding steps of the same model) in each dtype, in
+turn, and runs in the faster; fp32 unless bf16 is faster by ``MARGIN``. The verdict is kept in
+``$SELFPLAY_CACHE/engine-dtype.json`` under the CPU, its thread count, torch's version and the
+model's shapes, so a machine measures once per model shape.
+
+Elsewhere (an explicit dtype, a GPU, a CPU without native bf16) the rule of
+``selfplay.hardware.resolve_dtype`` stands, and nothing is measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+
+from selfplay.fileio import atomic_write
+from selfplay.hardware import (
+    available_memory,
+    cache_root,
+    cpu_flags,
+    cpu_has_native_bf16,
+    cpu_name,
+    resolve_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+CHOICES_FILE = "engine-dtype.json"
+# bf16 must be this much faster (time ratio) to be chosen: fp32 computes exactly what training
+# scores, so a tie goes to it
+MARGIN = 0.95
+# the measured batch: rows, prompt tokens a row, tokens decoded a row; timed rounds per dtype
+ROWS, PROMPT, DECODE, ROUNDS = 16, 192, 12, 2
+# the shape fields of a model's config that its speed depends on
+SHAPE_FIELDS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+)  # fmt: skip
+
+
+def engine_dtype(
+    requested: str | None, device: str, model_dir: str | Path, threads: int, build: Callable
+) -> str:
+    """The dtype the hf engine computes in: ``requested`` where it names one, the measured
+    faster of fp32 and bf16 on a CPU with native bf16 (module docstring), else the machine rule.
+    ``build(dtype)`` makes an hf engine of the model in that dtype (for the measurement)."""
+    if requested not in (None, "auto") or device != "cpu" or not cpu_has_native_bf16():
+        return resolve_dtype(requested, device)
+    config = Path(model_dir) / "config.json"
+    if not config.is_file() or not room_to_measure(Path(model_dir)):
+        # a hub id (its shapes are not known before the load), or no memory for two more
+        # copies of the model: the rule
+        return resolve_dtype(requested, device)
+    key = choice_key(json.loads(config.read_text()), threads)
+    path = choices_path()
+    choices = read_choices(path)
+    kept = choices.get(key)
+    if isinstance(kept, dict) and kept.get("dtype") in ("fp32", "bf16"):
+        return kept["dtype"]
+    seconds = measure(build)
+    dtype = "bf16" if seconds["bf16"] < MARGIN * seconds["fp32"] else "fp32"
+    log.info(
+        "engine dtype auto: %s (a measured batch took fp32 %.2f s, bf16 %.2f s; kept in %s)",
+        dtype, seconds["fp32"], seconds["bf16"], path,
+    )  # fmt: skip
+    choices[key] = {"dtype": dtype, "seconds": seconds, "measured": time.time()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, orjson.dumps(choices, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    return dtype
+
+
+def room_to_measure(model_dir: Path) -> bool:
+    """Whether the measurement's two engines fit: the model in fp32 and in bf16 at once (3x
+    its weights if they are stored in bf16) within half of the free memory."""
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    weights += sum(f.stat().st_size for f in model_dir.glob("*.bin"))
+    free = available_memory("cpu")
+    return free is None or 2 * 3 * weights <= free
+
+
+def choices_path() -> Path:
+    return cache_root() / CHOICES_FILE
+
+
+def read_choices(path: Path) -> dict:
+    """The kept verdicts; an unreadable file counts as none (it is measured and written again)."""
+    try:
+        choices = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return choices if isinstance(choices, dict) else {}
+
+
+def choice_key(config: dict, threads: int) -> str:
+    """What a verdict holds for: this CPU (its model name and instruction flags), its threads,
+    torch's version and the model's shapes (not its weights: speed does not depend on them)."""
+    import torch
+
+    text = config.get("text_config") or config
+    shapes = {f: text.get(f) for f in SHAPE_FIELDS}
+    parts = [cpu_name(), " ".join(sorted(cpu_flags())), str(threads), torch.__version__]
+    parts.append(orjson.dumps(shapes, option=orjson.OPT_SORT_KEYS).decode())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def measure(build: Callable) -> dict[str, float]:
+    """Seconds of the least of ``ROUNDS`` timed runs of one batch (``ROWS`` prompts of ``PROMPT``
+    tokens prefilled, then ``DECODE`` tokens decoded greedily) through an hf engine of the model
+    in each dtype (``build(dtype)``), the dtypes in turn after a warm-up of each."""
+    engines = {d: build(d) for d in ("fp32", "bf16")}
+    times: dict[str, list[float]] = {d: [] for d in engines}
+    for round_ in range(ROUNDS + 1):
+        for dtype, engine in engines.items():
+            start = time.perf_counter()
+            _batch(engine)
+            if round_:  # the first round warms up
+                times[dtype].append(time.perf_counter() - start)
+    return {d: min(t) for d, t in times.items()}
+
+
+def _batch(engine) -> None:
+    """One batch through the engine's own prefill and decoding loop (no stop token: every row
+    decodes ``DECODE`` tokens)."""
+    import torch
+
+    from selfplay.engines import GenerationRequest
+
+    vocab = engine.model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    requests = [
+        GenerationRequest(
+            prompt_ids=torch.randint(3, vocab, (PROMPT,), generator=g).tolist(),
+            max_new_tokens=DECODE,
+            temperature=0.0,
+            seed=0,
+        )
+        for _ in range(ROWS)
+    ]
+    got: list = []
+    engine._run_batch(requests, [got.append] * len(requests))
+    failed = [r for r in got if isinstance(r, BaseException)]
+    if failed or len(got) != ROWS:
+        raise RuntimeError(f"the dtype measurement's batch failed: {failed[:1] or got[:1]}")
