@@ -37,8 +37,9 @@ allows, so neither limit above binds there; this row says how much of the stage'
 matmuls at their own shapes take, and so how much is everything else (attention over the KV
 cache, norms, sampling, the engine's bookkeeping). A fourth, "matmuls + attention alone",
 adds each decoding step's attention timed on its own (the engine's decoding attention: the cascade
-over a batch's shared prefix where its steps used it, else SDPA, or
-``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, at the step's rows and
+over a batch's shared prefix where its steps used it, else the lean step's ``hf_cpu.grouped_flash``
+(SDPA, or ``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, for a model
+the lean step does not cover), at the step's rows and
 the mean widths of steps of that many rows, every layer its own KV): what the stage's kernels
 at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
 and the model's glue (norms, rotary, sampling, Python) rather than kernels.
@@ -158,7 +159,8 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
     attention at its steps' mean widths over every layer, each layer its own KV (the cache is
     read from memory, as in a step), times its steps. The attention is the engine's: where its
     steps read a shared prefix once (``hf_cpu.cascade_decode_attention``), that at the mean
-    shared and own widths; else SDPA with GQA (or ``hf_cpu.grouped_decode_attention`` where
+    shared and own widths; else, in the lean step, ``hf_cpu.grouped_flash``, and in
+    transformers' forward SDPA with GQA (or ``hf_cpu.grouped_decode_attention`` where
     ``hf_cpu.GROUPED_DECODE``), with a padding mask."""
     from selfplay.engines import hf_cpu
     from selfplay.engines.hf import attention_shape
@@ -183,6 +185,9 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
             if shared:
                 prefix = hf_cpu.SharedPrefix(shared)
                 return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix)
+            if engine._lean is not None:  # the lean step's attention: an additive mask
+                cut = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+                return hf_cpu.grouped_flash(q, k, v, cut, dim**-0.5)
             if hf_cpu.GROUPED_DECODE:
                 return hf_cpu.grouped_decode_attention(q, k, v, mask)
             return torch.nn.functional.scaled_dot_product_attention(
@@ -328,6 +333,7 @@ def main() -> None:
     console.print(f'resolve_dtype("auto", "cpu") -> {resolve_dtype("auto", "cpu")}')
     console.print(f"forward FLOPs per token: {FWD_FLOPS_PER_TOKEN / 1e6:.1f} M")
     attention = "grouped" if hf_cpu.GROUPED_DECODE else "sdpa"
+    attention = f"the lean step's grouped flash ({attention} where it does not cover the model)"
     attention = f"cascade over a shared prefix, else {attention}" if hf_cpu.CASCADE else attention
     console.print(f"the engine's decoding attention: {attention}")
 
