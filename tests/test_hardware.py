@@ -129,6 +129,16 @@ def test_the_hf_engine_loads_in_the_dtype_the_rule_picks(cpu, tiny_model, monkey
     timings.append({"fp32": 1.0, "bf16": 0.5})
     assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"
     assert not timings
+    # a measurement that fails: the flags' rule, nothing kept
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "failed"))
+
+    def fails(build):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(hf_dtype, "measure", fails)
+    assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"
+    assert not hf_dtype.choices_path().exists()
+    monkeypatch.setattr(hf_dtype, "measure", measured)
     # no memory for two more copies of the model: the flags' rule, nothing measured
     monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "other"))
     monkeypatch.setattr(hf_dtype, "available_memory", lambda device: 1)

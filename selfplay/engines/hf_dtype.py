@@ -70,7 +70,12 @@ def engine_dtype(
     kept = choices.get(key)
     if isinstance(kept, dict) and kept.get("dtype") in ("fp32", "bf16"):
         return kept["dtype"]
-    seconds = measure(build)
+    try:
+        seconds = measure(build)
+    except (RuntimeError, MemoryError) as e:  # the measured batch did not run: the rule decides
+        rule = resolve_dtype(requested, device)
+        log.warning("engine dtype auto: measuring failed (%s); %s by the flags", e, rule)
+        return rule
     dtype = "bf16" if seconds["bf16"] < MARGIN * seconds["fp32"] else "fp32"
     log.info(
         "engine dtype auto: %s (a measured batch took fp32 %.2f s, bf16 %.2f s; kept in %s)",
@@ -139,10 +144,11 @@ def _batch(engine) -> None:
     from selfplay.engines import GenerationRequest
 
     vocab = engine.model.config.get_text_config().vocab_size
+    prompt = min(PROMPT, (engine.max_context or PROMPT + DECODE) - DECODE)
     g = torch.Generator().manual_seed(0)
     requests = [
         GenerationRequest(
-            prompt_ids=torch.randint(3, vocab, (PROMPT,), generator=g).tolist(),
+            prompt_ids=torch.randint(3, vocab, (prompt,), generator=g).tolist(),
             max_new_tokens=DECODE,
             temperature=0.0,
             seed=0,

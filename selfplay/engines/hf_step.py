@@ -46,8 +46,8 @@ LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # lean steps took 90.5 -> 75.4 s, the same games.
 MIN_COLUMNS = 16
 # and past that, a multiple of this many: MKL ran W @ x at 42 columns at 67-84 GFLOP/s against
-# 83-105 at 48 (the same shapes and CPU), and a whole lean step at 19, 43, 53, 57 and 61 rows
-# took 1.09-1.23x less time padded so (1.0x at multiples of 8).
+# 83-105 at 48 (the same shapes and CPU), and a whole lean step at 19, 42, 53, 57 and 61 rows
+# ran 1.09-1.18x faster padded so (1.0x at multiples of 8; 16 and 32 did no better).
 COLUMN_MULTIPLE = 8
 # vocabulary rows of the LM head a product at a time (LeanDecode._logits)
 LM_HEAD_SLICE = 4096
