@@ -42,8 +42,10 @@ CHOICES_FILE = "engine-dtype.json"
 # bf16 must be this much faster (time ratio) to be chosen: fp32 computes exactly what training
 # scores, so a tie goes to it
 MARGIN = 0.95
-# the measured batch: rows, prompt tokens a row, tokens decoded a row; timed rounds per dtype
-ROWS, PROMPT, DECODE, ROUNDS = 16, 192, 12, 2
+# the measured batch: rows, prompt tokens a row, tokens decoded a row; timed rounds per dtype.
+# A round's decoding steps are a third or more of its time, as in a game's turns (whose prompts
+# are mostly kept KV): on the AVX2 EPYC (2 cores) a fp32 round of SmolLM2-135M took 6.6 s.
+ROWS, PROMPT, DECODE, ROUNDS = 16, 128, 24, 2
 # the shape fields of a model's config that its speed depends on
 SHAPE_FIELDS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -70,6 +72,7 @@ def engine_dtype(
     kept = choices.get(key)
     if isinstance(kept, dict) and kept.get("dtype") in ("fp32", "bf16"):
         return kept["dtype"]
+    log.info("engine dtype auto: timing fp32 and bf16 once for this CPU and model shape")
     try:
         seconds = measure(build)
     except (RuntimeError, MemoryError) as e:  # the measured batch did not run: the rule decides
