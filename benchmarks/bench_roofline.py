@@ -182,13 +182,14 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
             k[:, :, :shared], v[:, :, :shared] = k[:1, :, :shared], v[:1, :, :shared]
             kvs.append((k, v))
         mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
+        # the lean step's additive mask, built once a step as the step builds it
+        cut = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
-        def attend(q, k, v, mask, shared=shared):
+        def attend(q, k, v, mask, shared=shared, cut=cut):
             if shared:
                 prefix = hf_cpu.SharedPrefix(shared)
                 return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix)
-            if engine._lean is not None:  # the lean step's attention: an additive mask
-                cut = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+            if engine._lean is not None:
                 return hf_cpu.grouped_flash(q, k, v, cut, dim**-0.5)
             if hf_cpu.GROUPED_DECODE:
                 return hf_cpu.grouped_decode_attention(q, k, v, mask)

@@ -120,7 +120,8 @@ def test_the_hf_engine_loads_in_the_dtype_the_rule_picks(cpu, tiny_model, monkey
     assert explicit.dtype == "fp32"
     # another thread count is another verdict; bf16 within the margin of fp32 is not chosen
     timings.append({"fp32": 1.0, "bf16": 0.97})
-    one = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", cpu_threads=1))
+    more = hardware.usable_cores() + 1
+    one = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", cpu_threads=more))
     assert one.dtype == "fp32" and len(orjson.loads(hf_dtype.choices_path().read_bytes())) == 2
     assert not timings
     # a verdict that is not a dtype is measured again
@@ -129,6 +130,16 @@ def test_the_hf_engine_loads_in_the_dtype_the_rule_picks(cpu, tiny_model, monkey
     timings.append({"fp32": 1.0, "bf16": 0.5})
     assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"
     assert not timings
+    # a verdict file that is a link: measured, used, not written through the link
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    (linked / hf_dtype.CHOICES_FILE).symlink_to(target)
+    monkeypatch.setenv("SELFPLAY_CACHE", str(linked))
+    timings.append({"fp32": 1.0, "bf16": 0.5})
+    assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "bf16"
+    assert target.read_text() == "{}" and not timings
     # a measurement that fails: the flags' rule, nothing kept
     monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "failed"))
 

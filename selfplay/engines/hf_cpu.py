@@ -122,9 +122,9 @@ def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefi
 
 def grouped_flash(query, key, value, mask, scale):
     """Attention of one new token a row over its own KV by torch's CPU flash kernel, a KV head's
-    group of query heads passed as that head's query length: ``[B, H, 1, D]`` queries (head dims
-    contiguous) over ``[B, Hkv, L, D]`` keys and values; ``mask`` additive ``[B, 1, 1, L]`` or
-    None. Returns the output ``[B, H, D]`` and its log-sum-exp ``[B, H]``.
+    group of query heads passed as that head's query length: ``[B, H, 1, D]`` queries over
+    ``[B, Hkv, L, D]`` keys and values; ``mask`` additive ``[B, 1, 1, L]`` or None. Returns the
+    output ``[B, H, D]`` and its log-sum-exp ``[B, H]``.
 
     The kernel runs a task per (row, head, query block), and at one query a task its per-task
     cost outweighs reading the KV: with the group as the query length it runs a task per (row,
@@ -134,6 +134,8 @@ def grouped_flash(query, key, value, mask, scale):
     took 108 -> 89 ms with it (benchmarks/bench_decode_attention.py)."""
     b, h, _, d = query.shape
     kv_heads = key.shape[1]
+    if query.stride(-1) != 1:  # the kernel reads a head's dims as contiguous
+        query = query.contiguous()
     grouped = query.view(b, kv_heads, h // kv_heads, d)
     out, lse = _flash(grouped, key, value, attn_mask=mask, scale=scale)
     return out.reshape(b, h, d), lse.reshape(b, h)

@@ -17,9 +17,11 @@ Elsewhere (an explicit dtype, a GPU, a CPU without native bf16) the rule of
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +41,9 @@ from selfplay.hardware import (
 log = logging.getLogger(__name__)
 
 CHOICES_FILE = "engine-dtype.json"
+# environment variables that cap the instruction sets torch's CPU libraries use (a verdict
+# measured under one cap does not hold under another: AMX or not changes the winner)
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 # bf16 must be this much faster (time ratio) to be chosen: fp32 computes exactly what training
 # scores, so a tie goes to it
 MARGIN = 0.95
@@ -66,7 +71,11 @@ def engine_dtype(
         # a hub id (its shapes are not known before the load), or no memory for two more
         # copies of the model: the rule
         return resolve_dtype(requested, device)
-    key = choice_key(json.loads(config.read_text()), threads)
+    try:
+        shapes = json.loads(config.read_text())
+    except (OSError, ValueError):  # the load names what is wrong with the model
+        return resolve_dtype(requested, device)
+    key = choice_key(shapes, threads)
     path = choices_path()
     choices = read_choices(path)
     kept = choices.get(key)
@@ -75,7 +84,7 @@ def engine_dtype(
     log.info("engine dtype auto: timing fp32 and bf16 once for this CPU and model shape")
     try:
         seconds = measure(build)
-    except (RuntimeError, MemoryError) as e:  # the measured batch did not run: the rule decides
+    except Exception as e:  # the measurement is a speed-up: if it cannot run, the rule decides
         rule = resolve_dtype(requested, device)
         log.warning("engine dtype auto: measuring failed (%s); %s by the flags", e, rule)
         return rule
@@ -85,8 +94,11 @@ def engine_dtype(
         dtype, seconds["fp32"], seconds["bf16"], path,
     )  # fmt: skip
     choices[key] = {"dtype": dtype, "seconds": seconds, "measured": time.time()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, orjson.dumps(choices, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, orjson.dumps(choices, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    except OSError as e:  # a read-only cache or a link there: run, measure again next time
+        log.warning("engine dtype auto: the verdict is not kept (%s)", e)
     return dtype
 
 
@@ -114,12 +126,17 @@ def read_choices(path: Path) -> dict:
 
 def choice_key(config: dict, threads: int) -> str:
     """What a verdict holds for: this CPU (its model name and instruction flags), its threads,
-    torch's version and the model's shapes (not its weights: speed does not depend on them)."""
+    torch's and transformers' versions, the instruction-set caps in the environment, and the
+    model's shapes (not its weights: speed does not depend on them)."""
     import torch
+    import transformers
 
     text = config.get("text_config") or config
     shapes = {f: text.get(f) for f in SHAPE_FIELDS}
-    parts = [cpu_name(), " ".join(sorted(cpu_flags())), str(threads), torch.__version__]
+    parts = [cpu_name(), " ".join(sorted(cpu_flags())), str(threads)]
+    # what else changes which kernels run: the libraries, and the instruction-set caps
+    parts += [torch.__version__, transformers.__version__]
+    parts += [os.environ.get(name, "") for name in ISA_CAPS]
     parts.append(orjson.dumps(shapes, option=orjson.OPT_SORT_KEYS).decode())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -128,14 +145,20 @@ def measure(build: Callable) -> dict[str, float]:
     """Seconds of the least of ``ROUNDS`` timed runs of one batch (``ROWS`` prompts of ``PROMPT``
     tokens prefilled, then ``DECODE`` tokens decoded greedily) through an hf engine of the model
     in each dtype (``build(dtype)``), the dtypes in turn after a warm-up of each."""
-    engines = {d: build(d) for d in ("fp32", "bf16")}
-    times: dict[str, list[float]] = {d: [] for d in engines}
-    for round_ in range(ROUNDS + 1):
-        for dtype, engine in engines.items():
-            start = time.perf_counter()
-            _batch(engine)
-            if round_:  # the first round warms up
-                times[dtype].append(time.perf_counter() - start)
+    engines: dict = {}
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    try:
+        engines.update((d, build(d)) for d in times)
+        for round_ in range(ROUNDS + 1):
+            for dtype, engine in engines.items():
+                start = time.perf_counter()
+                _batch(engine)
+                if round_:  # the first round warms up
+                    times[dtype].append(time.perf_counter() - start)
+    finally:  # the engines hold themselves in cycles: free both models before the real load
+        engine = None
+        engines.clear()
+        gc.collect()
     return {d: min(t) for d, t in times.items()}
 
 

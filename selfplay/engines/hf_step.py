@@ -9,8 +9,9 @@ with the activations kept feature-major (``[hidden, rows]``): every linear layer
 gate and up another (the fused weights); the MLP's and the attention output's products feed the
 next one with no copy, and q, k and v are turned to rows once for attention and the cache. The
 rotary tables are computed once a step by the model's own rotary module, and attention is called
-directly: the cascade over the batch's shared prefix (``hf_cpu.cascade_decode_attention``) or
-torch's SDPA with GQA. (On the AVX2 EPYC the whole 64-game generate stage ran 97.9 -> 86.6 s
+directly: the cascade over the batch's shared prefix (``hf_cpu.cascade_decode_attention``) or,
+without one, torch's flash kernel with a KV head's query group as its query length
+(``hf_cpu.grouped_flash``). (On the AVX2 EPYC the whole 64-game generate stage ran 97.9 -> 86.6 s
 with it, alternating in one process; docs/benchmarks.md.)
 
 It covers the architectures whose decoder layer is exactly pre-norm RMSNorm, rotary attention
