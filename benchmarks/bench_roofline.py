@@ -183,7 +183,7 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
             kvs.append((k, v))
         mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
         # the lean step's additive mask, built once a step as the step builds it
-        cut = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        cut = hf_cpu.additive_mask(mask, dtype)
 
         def attend(q, k, v, mask, shared=shared, cut=cut):
             if shared:

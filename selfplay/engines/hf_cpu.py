@@ -108,16 +108,21 @@ def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefi
     cut = None
     if mask is not None:
         if shared._mask[0] is not mask:  # every layer of a step gets the same mask tensor
-            own = mask[..., p:]
-            if own.dtype == torch.bool:  # the flash kernel takes an additive mask
-                own = torch.zeros(own.shape, dtype=query.dtype).masked_fill_(~own, float("-inf"))
-            shared._mask = (mask, own.to(query.dtype))
+            shared._mask = (mask, additive_mask(mask[..., p:], query.dtype))
         cut = shared._mask[1]
     o_own, lse_own = grouped_flash(query, key[:, :, p:], value[:, :, p:], cut, scale)
     o_shared = o_shared[0].transpose(0, 1)  # [B, H, D]
     weight = torch.sigmoid(lse_shared[0].transpose(0, 1) - lse_own)[..., None]
     out = o_own + weight * (o_shared - o_own)
     return out.to(query.dtype).view(b, h, 1, d)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's mask as the flash kernel takes it: boolean (True: attend) -> 0 / -inf in
+    ``dtype``; an additive mask is only cast."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return mask.to(dtype)
 
 
 def grouped_flash(query, key, value, mask, scale):

@@ -30,6 +30,7 @@ import orjson
 
 from selfplay.fileio import atomic_write
 from selfplay.hardware import (
+    ONEDNN_ISA_ENV,
     available_memory,
     cache_root,
     cpu_flags,
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 CHOICES_FILE = "engine-dtype.json"
 # environment variables that cap the instruction sets torch's CPU libraries use (a verdict
 # measured under one cap does not hold under another: AMX or not changes the winner)
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+ISA_CAPS = (ONEDNN_ISA_ENV, "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 # bf16 must be this much faster (time ratio) to be chosen: fp32 computes exactly what training
 # scores, so a tie goes to it
 MARGIN = 0.95

@@ -31,6 +31,7 @@ from selfplay.engines.hf_cpu import (
     FUSED,
     SIBLINGS,
     SharedPrefix,
+    additive_mask,
     cascade_decode_attention,
     grouped_flash,
     stack_linears,
@@ -135,7 +136,7 @@ class LeanDecode:
         mask = attn.bool()[:, None, None, :]
         prefix = SharedPrefix(shared) if shared else None
         # the flash kernel's additive mask, for attention without a shared prefix
-        cut = None if prefix else x.new_zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+        cut = None if prefix else additive_mask(mask, x.dtype)
         # [hidden, columns]: the rows, then zero columns (ignored at the end) up to MIN_COLUMNS
         # or the next multiple of COLUMN_MULTIPLE
         columns = (
