@@ -32,7 +32,8 @@ the run (a bound no schedule of the same passes beats), and the limit is its tok
 
 A third generate row, "its matmuls alone": the same prefill, and each decoding step's linear
 layers timed on their own at that step's rows (the engine counts steps by rows; the engine's
-linear layout in the run's dtype, median of --repeats), summed. A step of 20-60 rows runs its
+linear layout in the run's dtype, or oneDNN's products on packed weights where its lean step
+packed them, median of --repeats), summed. A step of 20-60 rows runs its
 matmuls far below the FLOP rate of 512 rows while reading the weights slower than the bandwidth
 allows, so neither limit above binds there; this row says how much of the stage's time its
 matmuls at their own shapes take, and so how much is everything else (attention over the KV
@@ -133,10 +134,12 @@ def decode_aware_seconds(engine, gflops: float, gbs: float) -> float:
     return prefill + max(compute, memory)
 
 
-def linear_seconds(rows: int, dtype, repeats: int) -> float:
+def linear_seconds(rows: int, dtype, repeats: int, packed: bool = False) -> float:
     """One forward pass's linear layers (SHAPES) at ``rows`` rows, in the layout the CPU engine
-    uses (selfplay.engines.hf_cpu.weight_major_linears): the median time of each, times its count
-    per pass, summed."""
+    uses (selfplay.engines.hf_cpu.weight_major_linears, or with ``packed`` the lean step's
+    oneDNN products on packed weights, hf_step.PACKED_DECODE): the median time of each, times its
+    count per pass, summed."""
+    from selfplay.engines import hf_step
     from selfplay.engines.hf_cpu import weight_major_linears
 
     total = 0.0
@@ -144,16 +147,27 @@ def linear_seconds(rows: int, dtype, repeats: int) -> float:
         layer = torch.nn.Linear(k, n, bias=False).to(dtype)
         weight_major_linears(layer)
         x = torch.randn(rows, k).to(dtype)
+        product = functools.partial(layer, x)
+        if packed:
+            product = functools.partial(
+                hf_step._packed_product, hf_step._pack(layer.weight), None, x
+            )
         with torch.inference_mode():
-            total += median_seconds(functools.partial(layer, x), 2, repeats) * count
+            total += median_seconds(product, 2, repeats) * count
     return total
 
 
 def matmuls_alone_seconds(engine, gflops: float, dtype, repeats: int = 5) -> float:
-    """Prefill FLOPs / rate plus every decoding step's linear layers timed at its rows."""
+    """Prefill FLOPs / rate plus every decoding step's linear layers timed at its rows (in the
+    products the engine's steps ran: packed where its lean step was)."""
+    from selfplay.engines import hf_step
+
+    packed = engine._lean is not None and engine._lean.packed and hf_step.PACKED_DECODE
     prefill = engine.prefilled_tokens * FWD_FLOPS_PER_TOKEN / (gflops * 1e9)
     steps = engine.decode_batches
-    return prefill + sum(n * linear_seconds(rows, dtype, repeats) for rows, n in steps.items())
+    return prefill + sum(
+        n * linear_seconds(rows, dtype, repeats, packed) for rows, n in steps.items()
+    )
 
 
 def attention_seconds(engine, dtype, repeats: int = 3) -> float:

@@ -225,18 +225,23 @@ def _steps_both_ways(
     return out
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("shared,rows", [(0, 5), (70, 5), (0, 1), (70, 2), (70, 17)])
-def test_lean_decoding_steps_are_the_models_own_to_1e5(tiny_model, shared, rows):
-    """The engine's lean decoding step (hf_step: feature-major, the fused products, attention
-    called directly; rows padded with zero columns to MIN_COLUMNS or the next multiple of
-    COLUMN_MULTIPLE, one row not) gives
-    the model's own logits, step after step, over a left-padded batch and over a batch whose
-    first columns are shared (the cascade)."""
-    from selfplay.engines import HFEngineConfig
+def test_lean_decoding_steps_are_the_models_own_to_1e5(
+    tiny_model, shared, rows, packed, monkeypatch
+):
+    """The engine's lean decoding step (hf_step), both ways it runs: in rows on the weights
+    oneDNN packed at start-up, and feature-major through MKL (rows padded with zero columns to
+    MIN_COLUMNS or the next multiple of COLUMN_MULTIPLE, one row not); the fused products and
+    attention called directly either way. Each gives the model's own logits, step after step,
+    over a left-padded batch and over a batch whose first columns are shared (the cascade)."""
+    from selfplay.engines import HFEngineConfig, hf_step
     from selfplay.engines.hf import HFEngine
 
     engine = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32"))
     assert engine._lean is not None  # the tiny Qwen2 (q/k/v biases) passed the start-up check
+    assert engine._lean.packed  # this torch has oneDNN and the packed step passed it too
+    monkeypatch.setattr(hf_step, "PACKED_DECODE", packed)
     for got, want in _steps_both_ways(engine.model, engine._lean, shared, rows):
         assert got.shape == want.shape == (rows, engine.model.config.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -264,14 +269,52 @@ def test_lean_decoding_is_off_where_it_does_not_cover_the_model(tiny_model, monk
     assert hf_step.lean_decode(model, layers) is None
 
 
-def test_lean_decoding_of_the_embedded_smollm2_is_its_own_to_1e4():
+def test_packed_decoding_steps_are_off_where_they_cannot_run_or_differ(tiny_model, monkeypatch):
+    """The lean step keeps its feature-major products (MKL, the model's own weights) where the
+    weights cannot be packed (no oneDNN linear in this torch, no memory for a second copy) or the
+    packed step's logits differ from the model's."""
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.engines import hf_step
+    from selfplay.engines.hf_kv import plain_cache_layers
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    layers = plain_cache_layers(model)
+    lean = hf_step.lean_decode(model, layers)
+    assert lean is not None and lean.packed
+    assert all(layer.packed is not None for layer in lean.layers)
+    with monkeypatch.context() as m:
+        m.setattr(hf_step, "available_memory", lambda device: 1024)  # 1 KiB free
+        lean = hf_step.lean_decode(model, layers)
+        assert lean is not None and not lean.packed
+    with monkeypatch.context() as m:
+        m.setattr(hf_step, "available_memory", lambda device: None)  # the machine does not say
+        assert not hf_step.lean_decode(model, layers).packed
+
+    def no_onednn(weight):
+        raise RuntimeError("mkldnn::_reorder_linear_weight: not built with oneDNN")
+
+    with monkeypatch.context() as m:
+        m.setattr(hf_step, "_pack", no_onednn)
+        assert not hf_step.lean_decode(model, layers).packed
+    product = hf_step._packed_product
+    monkeypatch.setattr(hf_step, "_packed_product", lambda *a: product(*a) * 1.01)
+    lean = hf_step.lean_decode(model, layers)
+    assert lean is not None and not lean.packed
+    assert all(layer.packed is None for layer in lean.layers)  # the copies are let go
+
+
+def test_lean_decoding_of_the_embedded_smollm2_is_its_own_to_1e4(monkeypatch):
     """The architecture users start from (Llama: SmolLM2-135M-Instruct, the embedded default)
-    passes the start-up check, and its lean steps give its own logits over a shared prefix."""
-    from selfplay.engines import HFEngineConfig
+    passes the start-up check, packed and not, and its lean steps give its own logits over a
+    shared prefix both ways."""
+    from selfplay.engines import HFEngineConfig, hf_step
     from selfplay.engines.hf import HFEngine
     from selfplay.models import embedded_model_dir
 
     engine = HFEngine(HFEngineConfig(model=str(embedded_model_dir()), device="cpu", dtype="fp32"))
-    assert engine._lean is not None and engine._shared_layout
-    for got, want in _steps_both_ways(engine.model, engine._lean, 70):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert engine._lean is not None and engine._shared_layout and engine._lean.packed
+    for packed in (True, False):
+        monkeypatch.setattr(hf_step, "PACKED_DECODE", packed)
+        for got, want in _steps_both_ways(engine.model, engine._lean, 70):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -7,10 +7,14 @@ each) that glue is a large share of the step on a CPU. ``LeanDecode`` runs the s
 with the activations kept feature-major (``[hidden, rows]``): every linear layer is one
 ``W @ x`` product (the engine's weight-major layout, ``hf_cpu``), q, k and v one product and
 gate and up another (the fused weights); the MLP's and the attention output's products feed the
-next one with no copy, and q, k and v are turned to rows once for attention and the cache. The
-rotary tables are computed once a step by the model's own rotary module, and attention is called
-directly: the cascade over the batch's shared prefix (``hf_cpu.cascade_decode_attention``) or,
-without one, torch's flash kernel with a KV head's query group as its query length
+next one with no copy, and q, k and v are turned to rows once for attention and the cache. Where
+torch has oneDNN and memory holds a second copy of the weights, the step keeps its activations in
+rows instead and runs every product through oneDNN on weights packed once, at start-up
+(``x @ W^T``, ``PACKED_DECODE``): MKL repacks a weight at every call, which a product over tens
+of columns does not repay. The rotary tables are computed once a step by the model's own rotary
+module, and attention is called directly: the cascade over the batch's shared prefix
+(``hf_cpu.cascade_decode_attention``) or, without one, torch's flash kernel with a KV head's
+query group as its query length
 (``hf_cpu.grouped_flash``). (On the AVX2 EPYC the whole 64-game generate stage ran 97.9 -> 86.6 s
 with it, alternating in one process; docs/benchmarks.md.)
 
@@ -36,6 +40,7 @@ from selfplay.engines.hf_cpu import (
     grouped_flash,
     stack_linears,
 )
+from selfplay.hardware import available_memory
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,15 @@ MIN_COLUMNS = 16
 COLUMN_MULTIPLE = 8
 # vocabulary rows of the LM head a product at a time (LeanDecode._logits)
 LM_HEAD_SLICE = 4096
+# True: where the weights were packed (``lean_decode``), a step keeps its activations in rows and
+# runs its products through oneDNN on them (``x @ W^T``); False: the feature-major step above,
+# MKL's ``W @ x``, which repacks each weight at every call. Whole steps of SmolLM2-135M (fp32, 2
+# threads, the AVX2 EPYC, 400 KV positions, the two alternating step by step; docs/benchmarks.md)
+# ran 1.2-1.8x faster packed at 1-8 rows, 1.06-1.25x at 12-40 and 1.0-1.1x at 44-128. Read at
+# call time, so a benchmark can alternate.
+PACKED_DECODE = True
+# the rows oneDNN packs the weights for (its reorder's batch size; 8 and 64 ran alike)
+PACK_ROWS = 40
 # True: the engine's decoding steps run LeanDecode where it passed its check; read at call time,
 # so a benchmark can alternate
 LEAN_DECODE = True
@@ -74,12 +88,22 @@ def _product(weight, bias, x):
     return torch.addmm(bias[:, None], weight, x)
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout (a copy: the model keeps its own)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+
+def _packed_product(packed, bias, x):
+    """``x @ W^T`` (+ bias) with ``W`` packed by ``_pack``: a linear layer on rows ``x``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class _Layer:
     def __init__(self, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.norm1 = layer.input_layernorm.weight.detach()[:, None]
+        self.norm1 = layer.input_layernorm.weight.detach()
         self.eps1 = layer.input_layernorm.variance_epsilon
-        self.norm2 = layer.post_attention_layernorm.weight.detach()[:, None]
+        self.norm2 = layer.post_attention_layernorm.weight.detach()
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
         self.qkv = _stacked(attn, SIBLINGS[0])
         self.sizes = [getattr(attn, n).out_features for n in SIBLINGS[0]]
@@ -89,15 +113,21 @@ class _Layer:
         self.down = (mlp.down_proj.weight.detach(), _detached(mlp.down_proj.bias))
         self.act = mlp.act_fn
         self.scaling = attn.scaling
+        self.packed: tuple[torch.Tensor, ...] | None = None  # qkv, o, gate_up, down (pack())
+
+    def pack(self) -> None:
+        self.packed = tuple(_pack(w) for w, _ in (self.qkv, self.o, self.gate_up, self.down))
 
 
 def _detached(bias):
     return None if bias is None else bias.detach()
 
 
-def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the features of feature-major ``h`` ``[hidden, rows]``."""
-    return weight * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + eps))
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dim: int = 0) -> torch.Tensor:
+    """RMSNorm over the features of ``h``: feature-major ``[hidden, rows]`` (``dim`` 0) or rows
+    ``[rows, hidden]`` (``dim`` 1)."""
+    weight = weight[:, None] if dim == 0 else weight
+    return weight * (h * torch.rsqrt(h.pow(2).mean(dim, keepdim=True) + eps))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,7 +139,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LeanDecode:
     """One decoding step of ``model`` (module docstring): ``step`` returns the next-token
     logits ``[rows, vocab]`` and appends each row's KV to ``cache`` as the model's forward
-    would."""
+    would. ``pack()`` adds the packed weights of the rows' step."""
 
     def __init__(self, model) -> None:
         config = model.config.get_text_config()
@@ -120,23 +150,62 @@ class LeanDecode:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.layers = [_Layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
-        self.final_norm = inner.norm.weight.detach()[:, None]
+        self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
         self.lm_head = model.lm_head.weight.detach()
         self.lm_bias = _detached(model.lm_head.bias)
+        self.packed_head: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_head is not None
+
+    def pack(self) -> None:
+        """Pack every product's weight for the rows' step (a copy of the model's linear weights
+        and head)."""
+        for layer in self.layers:
+            layer.pack()
+        self.packed_head = _pack(self.lm_head)
+
+    def unpack(self) -> None:
+        for layer in self.layers:
+            layer.packed = None
+        self.packed_head = None
 
     def step(self, ids, positions, cache, attn, shared: int = 0) -> torch.Tensor:
         """Feed ``ids`` ``[rows]`` at ``positions`` ``[rows]`` after ``cache``, whose mask with
         the new token is ``attn`` ``[rows, width]`` (1: attend); the first ``shared`` columns
         hold the same tokens in every row (0: none)."""
-        rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        rows = ids.shape[0]
         x = self.embed(ids)  # [rows, hidden]
         cos, sin = self.rotary(x, positions[:, None])  # [rows, 1, dim]
-        cos, sin = cos.view(rows, 1, dim), sin.view(rows, 1, dim)
         mask = attn.bool()[:, None, None, :]
         prefix = SharedPrefix(shared) if shared else None
         # the flash kernel's additive mask, for attention without a shared prefix
         cut = None if prefix else additive_mask(mask, x.dtype)
+        context = (cos.view(rows, 1, -1), sin.view(rows, 1, -1), mask, prefix, cut)
+        if self.packed and PACKED_DECODE:
+            return self._rows_step(x, cache, context)
+        return self._columns_step(x, cache, context)
+
+    def _attend(self, layer, room, q, k, v, context) -> torch.Tensor:
+        """Attention of rows ``q``, ``k``, ``v`` ``[rows, features]`` (views will do): the rotary
+        embedding, the cache's update, attention over the cache: ``[rows, heads x dim]``."""
+        cos, sin, mask, prefix, cut = context
+        rows, dim = q.shape[0], self.head_dim
+        q = _rotate(q.view(rows, self.heads, dim), cos, sin)
+        k = _rotate(k.view(rows, self.kv_heads, dim), cos, sin)
+        keys, values = room.update(k[:, :, None], v.view(rows, self.kv_heads, dim)[:, :, None])
+        q = q[:, :, None]  # [rows, heads, 1, dim]
+        if prefix is not None:
+            out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix)
+        else:
+            out = grouped_flash(q, keys, values, cut, layer.scaling)[0]
+        return out.reshape(rows, self.heads * dim)
+
+    def _columns_step(self, x, cache, context) -> torch.Tensor:
+        """The step feature-major, every product MKL's ``W @ x``."""
+        rows = x.shape[0]
         # [hidden, columns]: the rows, then zero columns (ignored at the end) up to MIN_COLUMNS
         # or the next multiple of COLUMN_MULTIPLE
         columns = (
@@ -144,27 +213,32 @@ class LeanDecode:
         )
         h = x.new_zeros((x.shape[1], columns))
         h[:, :rows] = x.t()
-        attended = x.new_zeros((heads * dim, columns))  # attention's output, feature-major
+        attended = x.new_zeros((self.heads * self.head_dim, columns))  # attention's output
         for layer, room in zip(self.layers, cache.layers):
             n = _rms_norm(h, layer.norm1, layer.eps1)
             # back to rows once for q, k and v: attention and the cache take rows
             qkv = _product(*layer.qkv, n)[:, :rows]
             q, k, v = qkv.t().contiguous().split(layer.sizes, dim=1)
-            q = _rotate(q.view(rows, heads, dim), cos, sin)
-            k = _rotate(k.view(rows, kv_heads, dim), cos, sin)
-            v = v.view(rows, kv_heads, dim)
-            keys, values = room.update(k[:, :, None], v[:, :, None])
-            q = q[:, :, None]  # [rows, heads, 1, dim]
-            if prefix is not None:
-                out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix)
-            else:
-                out = grouped_flash(q, keys, values, cut, layer.scaling)[0]
-            attended[:, :rows] = out.reshape(rows, heads * dim).t()
+            attended[:, :rows] = self._attend(layer, room, q, k, v, context).t()
             h = h + _product(*layer.o, attended)
             n = _rms_norm(h, layer.norm2, layer.eps2)
             gate, up = _product(*layer.gate_up, n).split(layer.inter)
             h = h + _product(*layer.down, layer.act(gate) * up)
         return self._logits(_rms_norm(h, self.final_norm, self.final_eps))[:rows]
+
+    def _rows_step(self, x, cache, context) -> torch.Tensor:
+        """The step in rows, every product on the packed weights (``pack``)."""
+        h = x
+        for layer, room in zip(self.layers, cache.layers):
+            qkv_w, o_w, gate_up_w, down_w = layer.packed
+            n = _rms_norm(h, layer.norm1, layer.eps1, dim=1)
+            q, k, v = _packed_product(qkv_w, layer.qkv[1], n).split(layer.sizes, dim=1)
+            h = h + _packed_product(o_w, layer.o[1], self._attend(layer, room, q, k, v, context))
+            n = _rms_norm(h, layer.norm2, layer.eps2, dim=1)
+            gate, up = _packed_product(gate_up_w, layer.gate_up[1], n).split(layer.inter, dim=1)
+            h = h + _packed_product(down_w, layer.down[1], layer.act(gate) * up)
+        n = _rms_norm(h, self.final_norm, self.final_eps, dim=1)
+        return _packed_product(self.packed_head, self.lm_bias, n)
 
     def _logits(self, n: torch.Tensor) -> torch.Tensor:
         """The LM head over feature-major ``n``: ``[rows, vocab]`` logits, computed weight-major
@@ -187,7 +261,8 @@ def lean_decode(model, cache_layers: int) -> LeanDecode | None:
     two rows (one left-padded) prefilled through the model, then one decoding step both ways
     from copies of that cache, the logits within 1e-4 of the model's (relative to their scale).
     None (the engine keeps transformers' forward) otherwise: another model type, fp32 not the
-    dtype, a cache that is not plain full attention."""
+    dtype, a cache that is not plain full attention. The step gets packed weights where
+    this torch has oneDNN, memory holds a copy of the weights and the same check agrees."""
     from transformers import Cache
 
     from selfplay.engines.hf_kv import PreallocatedLayer
@@ -210,7 +285,7 @@ def lean_decode(model, cache_layers: int) -> LeanDecode | None:
     attn = torch.ones(2, 6, dtype=torch.long)
     attn[1, :2] = 0
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    caches = [Cache(layers=[PreallocatedLayer(8) for _ in range(cache_layers)]) for _ in range(2)]
+    caches = [Cache(layers=[PreallocatedLayer(8) for _ in range(cache_layers)]) for _ in range(3)]
     nxt = torch.randint(3, config.vocab_size, (2,), generator=g)
     wide = torch.cat([attn, attn.new_ones((2, 1))], dim=1)
     last = positions[:, -1] + 1
@@ -220,9 +295,34 @@ def lean_decode(model, cache_layers: int) -> LeanDecode | None:
                   past_key_values=cache, use_cache=True)  # fmt: skip
         want = model(input_ids=nxt[:, None], attention_mask=wide, position_ids=last[:, None],
                      past_key_values=caches[0], use_cache=True).logits[:, -1]  # fmt: skip
-        got = lean.step(nxt, last, caches[1], wide)
+        got = lean.step(nxt, last, caches[1], wide)  # not packed yet: the feature-major step
+        if _differs(got, want, model, "lean decoding off"):
+            return None
+        if room_to_pack(model):
+            try:
+                lean.pack()
+                got = lean.step(nxt, last, caches[2], wide)  # the packed step
+            except RuntimeError as e:  # a torch without oneDNN's linear
+                log.info("packed decoding steps off: %s", e)
+                lean.unpack()
+            else:
+                if _differs(got, want, model, "packed decoding steps off"):
+                    lean.unpack()
+    return lean
+
+
+def room_to_pack(model) -> bool:
+    """Whether this torch has oneDNN and the free memory holds twice the model's weights (the
+    packed copy, with room to spare)."""
+    free = available_memory("cpu")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return torch.backends.mkldnn.is_available() and free is not None and free > 2 * size
+
+
+def _differs(got: torch.Tensor, want: torch.Tensor, model, what: str) -> bool:
+    """Whether a lean step's logits are off the model's by more than 1e-4 of their scale
+    (logged as ``what``)."""
     error = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
     if error > 1e-4:
-        log.info("lean decoding off for %s: logits differ by %.2g", type(model).__name__, error)
-        return None
-    return lean
+        log.info("%s for %s: logits differ by %.2g", what, type(model).__name__, error)
+    return error > 1e-4
