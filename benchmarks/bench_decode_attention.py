@@ -14,7 +14,8 @@ alternating call by call in one process so that a shared machine's drift hits al
    (``hf_cpu.GROUPED_DECODE``), the cascade over the shared columns (what the engine does), and
    SDPA with the sibling projections apart (``hf_cpu.FUSED_PROJECTIONS`` off: q, k, v and gate,
    up as separate products), and the engine's lean step (``hf_step.LeanDecode``: no transformers
-   glue, the cascade), switched step by step.
+   glue, the cascade), feature-major (MKL's ``W @ x``) and, where the engine packed them, on
+   oneDNN-packed weights in rows (``hf_step.PACKED_DECODE``), switched step by step.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--model embedded] [--rows 48]
         [--kv 470] [--shared 240] [--repeats 10] [--threads N] [--dtype fp32|bf16]
@@ -34,7 +35,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from selfplay.engines import HFEngineConfig, hf_cpu
+from selfplay.engines import HFEngineConfig, hf_cpu, hf_step
 from selfplay.engines.hf import HFEngine, PreallocatedLayer, attention_shape
 from selfplay.engines.hf_cpu import SHARED_PREFIX, SharedPrefix
 from selfplay.models import resolve_model
@@ -123,8 +124,10 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
             k, v = random_kv(rows, kv_heads, kv, dim, shared, kv, g)
             layer.update(k.to(model.dtype), v.to(model.dtype))
 
-        def step(grouped: bool, fused: bool = True, cascade: bool = False, lean: bool = False):
+        def step(grouped: bool, fused: bool = True, cascade: bool = False, lean: bool = False,
+                 packed: bool = False):  # fmt: skip
             hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = grouped, fused
+            hf_step.PACKED_DECODE = packed
             state["attn"] = torch.cat([state["attn"], attn.new_ones((rows, 1))], dim=1)
             state["last"] = state["last"] + 1
             if lean:
@@ -140,7 +143,13 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
                 **extra,
             )
 
-        default = hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS
+        default = hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS, hf_step.PACKED_DECODE
+        lean = {}
+        if engine._lean is not None:
+            lean[f"lean step, cascade ({shared} shared)"] = lambda: step(False, lean=True)
+            if engine._lean.packed:
+                name = f"lean step on packed weights, cascade ({shared} shared)"
+                lean[name] = lambda: step(False, lean=True, packed=True)
         try:
             return alternate(
                 {
@@ -148,16 +157,12 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
                     "grouped": lambda: step(True),
                     f"cascade ({shared} shared)": lambda: step(False, cascade=True),
                     "SDPA, projections apart": lambda: step(False, fused=False),
-                    **(
-                        {f"lean step, cascade ({shared} shared)": lambda: step(False, lean=True)}
-                        if engine._lean is not None
-                        else {}
-                    ),
+                    **lean,
                 },
                 repeats,
             )
         finally:
-            hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = default
+            hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS, hf_step.PACKED_DECODE = default
 
 
 def main() -> None:
