@@ -318,3 +318,40 @@ def test_lean_decoding_of_the_embedded_smollm2_is_its_own_to_1e4(monkeypatch):
         monkeypatch.setattr(hf_step, "PACKED_DECODE", packed)
         for got, want in _steps_both_ways(engine.model, engine._lean, 70):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_padded_prefill_computes_its_real_tokens_alone_and_the_same_logits(
+    tiny_model, monkeypatch
+):
+    """A prefill pass over prompts of different lengths (left-padded) runs its linear layers on
+    the real tokens alone (hf_cpu.real_tokens: gathered, then scattered back into zeros), and its
+    last logits and every real position's KV are the ones the padded products give."""
+    from selfplay.engines import HFEngineConfig, hf_cpu
+    from selfplay.engines.hf import HFEngine
+
+    engine = HFEngine(
+        HFEngineConfig(model=str(tiny_model), device="cpu", dtype="fp32", prefix_cache_tokens=0)
+    )
+    g = torch.Generator().manual_seed(3)
+    vocab = engine.model.config.vocab_size
+    prompts = [tuple(torch.randint(3, vocab, (n,), generator=g).tolist()) for n in (23, 9, 17, 4)]
+    rows_seen = []
+    scattered = hf_cpu._scattered
+    monkeypatch.setattr(
+        hf_cpu, "_scattered", lambda y, i, x: rows_seen.append(y.shape[0]) or scattered(y, i, x)
+    )
+    out = {}
+    with torch.inference_mode():
+        for packed in (False, True):
+            monkeypatch.setattr(hf_cpu, "PACKED_PREFILL", packed)
+            out[packed] = engine._forward(prompts, [None] * len(prompts), 4)
+    assert rows_seen and set(rows_seen) == {sum(map(len, prompts))}  # 53 of 4 x 23 slots
+    (cache0, logits0, attn, _, _), (cache1, logits1, attn1, _, _) = out[False], out[True]
+    assert torch.equal(attn, attn1)
+    torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
+    real = attn.bool()
+    for a, b in zip(cache0.layers, cache1.layers):
+        width = attn.shape[1]
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            x, y = x[:, :, :width].transpose(1, 2)[real], y[:, :, :width].transpose(1, 2)[real]
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,9 @@ layers to float rounding. The engine installs them on CPU only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -208,6 +211,51 @@ def weight_major_rows(x: torch.Tensor) -> int:
     return rows if x.dtype == torch.float32 and 0 < rows <= WEIGHT_MAJOR_MAX_ROWS else 0
 
 
+# True: a prefill's linear layers compute its real tokens alone (``real_tokens``); read at call
+# time, so a benchmark can alternate.
+PACKED_PREFILL = True
+# the flat indices of the real tokens of the padded batch a prefill's pass is feeding, and that
+# batch's positions (rows x width), for the thread running it (``real_tokens``)
+_REAL: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.ContextVar(
+    "selfplay_real_tokens", default=None
+)
+
+
+@contextlib.contextmanager
+def real_tokens(attn_new: torch.Tensor):
+    """For the span of one padded prefill pass, whose new tokens' mask is ``attn_new`` ``[rows,
+    width]`` (0: padding): the model's linear layers compute the real tokens alone, and a padded
+    position's output is zeros. A padded position is masked out of every real token's attention,
+    so nothing it holds reaches one; its zeros stay finite through the norms. Without padding, or
+    with ``PACKED_PREFILL`` off, nothing changes."""
+    flat = attn_new.reshape(-1).bool()
+    real = None
+    if PACKED_PREFILL and not bool(flat.all()):
+        real = (flat.nonzero()[:, 0], flat.numel())
+    token = _REAL.set(real)
+    try:
+        yield
+    finally:
+        _REAL.reset(token)
+
+
+def _real_index(x: torch.Tensor) -> torch.Tensor | None:
+    """The real tokens' flat indices where ``x`` is the padded batch of the pass ``real_tokens``
+    set (its positions match); None otherwise (a decoding step, the head's last positions)."""
+    real = _REAL.get()
+    if real is None or not x.dim() or x.numel() // x.shape[-1] != real[1]:
+        return None
+    return real[0]
+
+
+def _scattered(y: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The real tokens' outputs ``y`` ``[real, features]`` at their places in ``x``'s padded
+    batch, zeros elsewhere: ``[*x.shape[:-1], features]``."""
+    out = y.new_zeros((x.numel() // x.shape[-1], y.shape[-1]))
+    out[index] = y
+    return out.view(*x.shape[:-1], y.shape[-1])
+
+
 def _as_linear(product: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``W @ x^T`` (outputs x rows) laid out as ``F.linear(x, W, bias)`` returns it."""
     y = product.t().contiguous()
@@ -230,6 +278,9 @@ def weight_major_linears(model) -> None:
     """
 
     def forward(self, x):
+        index = _real_index(x)
+        if index is not None:  # a padded prefill: its real tokens alone
+            return _scattered(forward(self, x.reshape(-1, x.shape[-1])[index]), index, x)
         rows = weight_major_rows(x)
         if not rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -300,13 +351,17 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     fallbacks = [lin.forward for lin in linears]
 
     def first(x):
-        rows = weight_major_rows(x)
+        index = _real_index(x)  # a padded prefill: its real tokens alone
+        inner = x if index is None else x.reshape(-1, x.shape[-1])[index]
+        rows = weight_major_rows(inner)
         kept.clear()
         if not (FUSED_PROJECTIONS and rows):
             return fallbacks[0](x)
-        y = torch.mm(weight, x.reshape(rows, -1).t())
+        y = torch.mm(weight, inner.reshape(rows, -1).t())
         biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
-        parts = [_as_linear(part, b, x) for part, b in zip(y.split(sizes), biases)]
+        parts = [_as_linear(part, b, inner) for part, b in zip(y.split(sizes), biases)]
+        if index is not None:
+            parts = [_scattered(part, index, x) for part in parts]
         kept.update(x=x, parts=dict(enumerate(parts[1:], 1)))
         return parts[0]
 

@@ -21,6 +21,11 @@ them, so that those columns hold the same tokens in every row:
     shared prefix p: [p0 p1 | pad c2 c3 | pad s0 s1]
                      [p0 p1 | c2 c3 c4 | pad pad s0]
 
+A pass's linear layers compute its real tokens alone (``hf_cpu.real_tokens``): the padding's
+outputs are zeros, which no real token attends to. (A 4-row pass of 740 real tokens in 1,200
+slots: 2.4-2.9 -> 1.9-2.3 s; 16 rows, 960 in 1,440: 2.6 -> 2.4 s; SmolLM2-135M, fp32, the AVX2
+EPYC, alternating.)
+
 Reused KV equals a full prefill's up to float rounding (it was computed in another batch), not
 bit for bit.
 
@@ -41,6 +46,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, DynamicCache
 
+from selfplay.engines import hf_cpu
 from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX
 from selfplay.engines.hf_kv import PreallocatedLayer, PrefixCache, kv_length, row_kv
 
@@ -105,14 +111,15 @@ class Prefill:
         ids, attn = ids.to(dev), attn.to(dev)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, past:]
         cache = self._batch_cache(kept, past, past + width + room, shared)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with hf_cpu.real_tokens(attn[:, past:]):  # the linear layers skip the padding
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         return cache, out.logits[:, -1, :], attn, positions, shared
 
     def _kv_of(
