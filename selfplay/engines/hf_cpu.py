@@ -226,11 +226,12 @@ def real_tokens(attn_new: torch.Tensor):
     """For the span of one padded prefill pass, whose new tokens' mask is ``attn_new`` ``[rows,
     width]`` (0: padding): the model's linear layers compute the real tokens alone, and a padded
     position's output is zeros. A padded position is masked out of every real token's attention,
-    so nothing it holds reaches one; its zeros stay finite through the norms. Without padding, or
-    with ``PACKED_PREFILL`` off, nothing changes."""
+    so nothing it holds reaches one; its zeros stay finite through the norms. Without padding,
+    with ``PACKED_PREFILL`` off, or off the CPU (only the CPU's linear layers read it, and a GPU
+    would wait on the mask), nothing changes."""
     flat = attn_new.reshape(-1).bool()
     real = None
-    if PACKED_PREFILL and not bool(flat.all()):
+    if PACKED_PREFILL and flat.device.type == "cpu" and not bool(flat.all()):
         real = (flat.nonzero()[:, 0], flat.numel())
     token = _REAL.set(real)
     try:
