@@ -15,7 +15,9 @@ alternating call by call in one process so that a shared machine's drift hits al
    SDPA with the sibling projections apart (``hf_cpu.FUSED_PROJECTIONS`` off: q, k, v and gate,
    up as separate products), and the engine's lean step (``hf_step.LeanDecode``: no transformers
    glue, the cascade), feature-major (MKL's ``W @ x``) and, where the engine packed them, on
-   oneDNN-packed weights in rows (``hf_step.PACKED_DECODE``), switched step by step.
+   oneDNN-packed weights in rows (``hf_step.PACKED_DECODE``), switched step by step; and the
+   lean step on packed weights with each row's own columns attended to by the compiled kernel
+   (``hf_native``; the attention-alone rows time it too) where this machine built it.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--model embedded] [--rows 48]
         [--kv 470] [--shared 240] [--repeats 10] [--threads N] [--dtype fp32|bf16]
@@ -35,7 +37,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from selfplay.engines import HFEngineConfig, hf_cpu, hf_step
+from selfplay.engines import HFEngineConfig, hf_cpu, hf_native, hf_step
 from selfplay.engines.hf import HFEngine, PreallocatedLayer, attention_shape
 from selfplay.engines.hf_cpu import SHARED_PREFIX, SharedPrefix
 from selfplay.models import resolve_model
@@ -103,17 +105,34 @@ def attention_alone(model, rows, kv, shared, dtype, repeats) -> dict[str, float]
             k.sum(), v.sum()
 
     fns = {"SDPA": sdpa, "grouped": grouped, f"cascade ({shared} shared)": cascade}
+    lib = hf_native.kernel() if dtype == torch.float32 else None
+    if lib is not None:
+        runs = hf_native.mask_runs(mask[:, 0, 0, shared:])
+
+        def own(q, k, v, scale):
+            return hf_native.decode_attention(lib, q, k, v, runs, scale)
+
+        def native():
+            prefix = SharedPrefix(shared)
+            for k, v in caches:
+                hf_cpu.cascade_decode_attention(query, k, v, mask, None, prefix, own)
+
+        fns[f"cascade ({shared} shared), own columns compiled"] = native
     with torch.inference_mode():
         return alternate({**fns, "sum of K and V": read}, repeats)
+
+
+# the most ways decoding_steps times a step
+STEP_WAYS = 7
 
 
 def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dict[str, float]:
     from transformers import Cache
 
     model = engine.model
-    cache = Cache(
-        layers=[PreallocatedLayer(kv + 6 * (repeats + 1) + 4) for _ in range(engine._cache_layers)]
-    )
+    # room for a token a step: every way below (at most STEP_WAYS) steps once a round
+    room = kv + STEP_WAYS * (repeats + 1) + 4
+    cache = Cache(layers=[PreallocatedLayer(room) for _ in range(engine._cache_layers)])
     attn = padding(rows, kv, shared)
     ids = torch.randint(3, model.config.vocab_size, (rows, 1), generator=torch.Generator())
     _, _, kv_heads, dim = attention_shape(model)
@@ -125,9 +144,9 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
             layer.update(k.to(model.dtype), v.to(model.dtype))
 
         def step(grouped: bool, fused: bool = True, cascade: bool = False, lean: bool = False,
-                 packed: bool = False):  # fmt: skip
+                 packed: bool = False, native: bool = False):  # fmt: skip
             hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS = grouped, fused
-            hf_step.PACKED_DECODE = packed
+            hf_step.PACKED_DECODE, hf_native.NATIVE_ATTENTION = packed, native
             state["attn"] = torch.cat([state["attn"], attn.new_ones((rows, 1))], dim=1)
             state["last"] = state["last"] + 1
             if lean:
@@ -144,12 +163,17 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
             )
 
         default = hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS, hf_step.PACKED_DECODE
+        native = hf_native.NATIVE_ATTENTION
         lean = {}
         if engine._lean is not None:
             lean[f"lean step, cascade ({shared} shared)"] = lambda: step(False, lean=True)
             if engine._lean.packed:
                 name = f"lean step on packed weights, cascade ({shared} shared)"
                 lean[name] = lambda: step(False, lean=True, packed=True)
+            if engine._lean.packed and engine._lean.native is not None:
+                name = f"lean step on packed weights, cascade ({shared} shared), compiled"
+                lean[name] = lambda: step(False, lean=True, packed=True, native=True)
+        assert 4 + len(lean) <= STEP_WAYS
         try:
             return alternate(
                 {
@@ -163,6 +187,7 @@ def decoding_steps(engine, rows: int, kv: int, shared: int, repeats: int) -> dic
             )
         finally:
             hf_cpu.GROUPED_DECODE, hf_cpu.FUSED_PROJECTIONS, hf_step.PACKED_DECODE = default
+            hf_native.NATIVE_ATTENTION = native
 
 
 def main() -> None:

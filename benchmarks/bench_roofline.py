@@ -177,9 +177,14 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
     steps read a shared prefix once (``hf_cpu.cascade_decode_attention``), that at the mean
     shared and own widths; else, in the lean step, ``hf_cpu.grouped_flash``, and in
     transformers' forward SDPA with GQA (or ``hf_cpu.grouped_decode_attention`` where
-    ``hf_cpu.GROUPED_DECODE``), with a padding mask."""
-    from selfplay.engines import hf_cpu
+    ``hf_cpu.GROUPED_DECODE``), with a padding mask. Where the lean step has the compiled
+    attention (``hf_native``), each row's own columns are attended to by it, at runs built
+    once a step as the step builds them."""
+    from selfplay.engines import hf_cpu, hf_native
     from selfplay.engines.hf import attention_shape
+
+    lean = engine._lean
+    lib = lean.native if lean is not None and hf_native.NATIVE_ATTENTION else None
 
     layers_n, heads, kv_heads, dim = attention_shape(engine.model)
     total = 0.0
@@ -199,10 +204,18 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
         # the lean step's additive mask, built once a step as the step builds it
         cut = hf_cpu.additive_mask(mask, dtype)
 
-        def attend(q, k, v, mask, shared=shared, cut=cut):
+        runs = hf_native.mask_runs(mask[:, 0, 0, shared:])
+
+        def own(q, k, v, scale, runs=runs):
+            return hf_native.decode_attention(lib, q, k, v, runs, scale)
+
+        def attend(q, k, v, mask, shared=shared, cut=cut, own=own):
             if shared:
                 prefix = hf_cpu.SharedPrefix(shared)
-                return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix)
+                own = own if lib is not None else None
+                return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix, own)
+            if lib is not None:
+                return own(q, k, v, None)
             if engine._lean is not None:
                 return hf_cpu.grouped_flash(q, k, v, cut, dim**-0.5)
             if hf_cpu.GROUPED_DECODE:

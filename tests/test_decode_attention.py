@@ -4,6 +4,8 @@ the cache views the engine passes it, alone and inside a model's decoding step."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -307,15 +309,18 @@ def test_packed_decoding_steps_are_off_where_they_cannot_run_or_differ(tiny_mode
 def test_lean_decoding_of_the_embedded_smollm2_is_its_own_to_1e4(monkeypatch):
     """The architecture users start from (Llama: SmolLM2-135M-Instruct, the embedded default)
     passes the start-up check, packed and not, and its lean steps give its own logits over a
-    shared prefix both ways."""
-    from selfplay.engines import HFEngineConfig, hf_step
+    shared prefix each way, with the compiled attention (where this machine builds it) and
+    torch's flash kernel."""
+    from selfplay.engines import HFEngineConfig, hf_native, hf_step
     from selfplay.engines.hf import HFEngine
     from selfplay.models import embedded_model_dir
 
     engine = HFEngine(HFEngineConfig(model=str(embedded_model_dir()), device="cpu", dtype="fp32"))
     assert engine._lean is not None and engine._shared_layout and engine._lean.packed
-    for packed in (True, False):
+    assert engine._lean.native is hf_native.kernel()
+    for packed, native in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(hf_step, "PACKED_DECODE", packed)
+        monkeypatch.setattr(hf_native, "NATIVE_ATTENTION", native)
         for got, want in _steps_both_ways(engine.model, engine._lean, 70):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -355,3 +360,105 @@ def test_a_padded_prefill_computes_its_real_tokens_alone_and_the_same_logits(
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             x, y = x[:, :, :width].transpose(1, 2)[real], y[:, :, :width].transpose(1, 2)[real]
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+def _native_kernel():
+    """The compiled decode attention; it must build wherever a C compiler is found."""
+    import os
+    import shutil
+
+    from selfplay.engines import hf_native
+
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here: the engine runs torch's flash kernel instead")
+    lib = hf_native.kernel()
+    assert lib is not None, "a C compiler is here, yet the native decode attention is off"
+    return lib
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2), (4, 4), (16, 1)])
+def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_heads):
+    """The compiled kernel (hf_native) over rows of a cache with room to spare, read at the runs
+    of each row's mask (left padding, holes, none at all): the output and log-sum-exp of torch's
+    flash kernel over the same rows with the same mask; a row that attends to nothing gives
+    zeros and a log-sum-exp of -inf (the cascade's merge then takes the shared prefix alone)."""
+    from selfplay.engines import hf_native
+    from selfplay.engines.hf_cpu import additive_mask, grouped_flash
+
+    lib = _native_kernel()
+    g = torch.Generator().manual_seed(dim + heads)
+    rows, length = 7, 301
+    query = torch.randn(rows, heads, 1, dim, generator=g)
+    room = torch.randn(2, rows, kv_heads, length + 40, dim, generator=g)
+    key, value = room[0, :, :, :length], room[1, :, :, :length]
+    mask = torch.ones(rows, length, dtype=torch.bool)
+    for b in range(1, rows - 1):
+        mask[b, : 11 * b] = False  # left padding
+        mask[b, 150 + b : 160 + 3 * b] = False  # a hole
+    mask[rows - 1] = False
+    mask[rows - 1, 200:203] = True  # three positions, one run, mid-cache
+    runs = hf_native.mask_runs(mask)
+    assert runs.shape == (rows, 2, 2) and runs[0].tolist() == [[0, length], [0, 0]]
+    assert runs[1].tolist() == [[11, 151], [163, length]]
+    cut = additive_mask(mask[:, None, None], query.dtype)
+    for scale in (dim**-0.5, 0.3):
+        out, lse = hf_native.decode_attention(lib, query, key, value, runs, scale)
+        want, want_lse = grouped_flash(query, key, value, cut, scale)
+        assert out.shape == want.shape == (rows, heads, dim) and lse.shape == (rows, heads)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    nothing = hf_native.mask_runs(torch.zeros(1, length, dtype=torch.bool))
+    out, lse = hf_native.decode_attention(lib, query[:1], key[:1], value[:1], nothing, 0.3)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    # tensors it does not cover: the caller runs the flash kernel
+    half = [x[..., :32] for x in (query, key, value)]
+    assert hf_native.decode_attention(lib, *half, runs, 0.3) is None
+    assert hf_native.decode_attention(lib, query, key.double(), value, runs, 0.3) is None
+    assert hf_native.decode_attention(lib, query, key.contiguous(), value, runs, 0.3) is None
+
+
+def test_native_decode_attention_is_off_where_it_cannot_build_or_differs(tiny_model, monkeypatch):
+    """No compiler, or a compiler that fails: no kernel, and a kernel whose output differs from
+    the flash kernel's is not used; either way the lean step runs the flash kernel."""
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.engines import hf_native, hf_step
+    from selfplay.engines.hf_kv import plain_cache_layers
+
+    lib = _native_kernel()
+    assert hf_native.build("selfplay-no-such-compiler") is None
+    assert hf_native.build("false") is None  # a compiler that exits 1
+    assert hf_native.agrees(lib)
+    attention = hf_native.decode_attention
+    with monkeypatch.context() as m:
+        m.setattr(hf_native, "decode_attention", lambda *a: tuple(x + 1e-3 for x in attention(*a)))
+        assert not hf_native.agrees(lib)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    monkeypatch.setattr(hf_native, "kernel", lambda: None)
+    lean = hf_step.lean_decode(model, plain_cache_layers(model))
+    assert lean is not None and lean.native is None
+
+
+@pytest.fixture(scope="module")
+def tiny_model_d64(tmp_path_factory) -> Path:
+    """The tiny Qwen2 with 64-dim heads: a head dim the native kernel covers."""
+    from selfplay.game.matching.prompts import tokenizer_corpus
+    from selfplay.models import build_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny_qwen2_d64"
+    return build_tiny_model(out, corpus=tokenizer_corpus(), head_dim=64)
+
+
+@pytest.mark.parametrize("shared,rows", [(0, 5), (70, 5), (0, 1), (70, 17)])
+def test_lean_steps_on_the_native_kernel_are_the_models_own_to_1e5(tiny_model_d64, shared, rows):
+    """The lean step with the compiled kernel attending to each row's own columns (alone, or
+    beside the cascade's shared prefix) gives the model's own logits, step after step."""
+    from selfplay.engines import HFEngineConfig
+    from selfplay.engines.hf import HFEngine
+
+    lib = _native_kernel()
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model_d64), device="cpu", dtype="fp32"))
+    assert engine._lean is not None and engine._lean.native is lib
+    for got, want in _steps_both_ways(engine.model, engine._lean, shared, rows):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

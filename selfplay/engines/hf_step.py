@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from selfplay.engines import hf_native
 from selfplay.engines.hf_cpu import (
     FUSED,
     SIBLINGS,
@@ -155,6 +156,8 @@ class LeanDecode:
         self.lm_head = model.lm_head.weight.detach()
         self.lm_bias = _detached(model.lm_head.bias)
         self.packed_head: torch.Tensor | None = None
+        # the compiled decode attention (hf_native.kernel()) where lean_decode found one
+        self.native = None
 
     @property
     def packed(self) -> bool:
@@ -181,9 +184,14 @@ class LeanDecode:
         cos, sin = self.rotary(x, positions[:, None])  # [rows, 1, dim]
         mask = attn.bool()[:, None, None, :]
         prefix = SharedPrefix(shared) if shared else None
-        # the flash kernel's additive mask, for attention without a shared prefix
-        cut = None if prefix else additive_mask(mask, x.dtype)
-        context = (cos.view(rows, 1, -1), sin.view(rows, 1, -1), mask, prefix, cut)
+        # the native kernel's runs of each row's own columns (after the shared prefix), or the
+        # flash kernel's additive mask for attention without a shared prefix
+        runs = cut = None
+        if self.native is not None and hf_native.NATIVE_ATTENTION:
+            runs = hf_native.mask_runs(attn[:, shared:].bool())
+        elif not prefix:
+            cut = additive_mask(mask, x.dtype)
+        context = (cos.view(rows, 1, -1), sin.view(rows, 1, -1), mask, prefix, cut, runs)
         if self.packed and PACKED_DECODE:
             return self._rows_step(x, cache, context)
         return self._columns_step(x, cache, context)
@@ -191,16 +199,26 @@ class LeanDecode:
     def _attend(self, layer, room, q, k, v, context) -> torch.Tensor:
         """Attention of rows ``q``, ``k``, ``v`` ``[rows, features]`` (views will do): the rotary
         embedding, the cache's update, attention over the cache: ``[rows, heads x dim]``."""
-        cos, sin, mask, prefix, cut = context
+        cos, sin, mask, prefix, cut, runs = context
         rows, dim = q.shape[0], self.head_dim
         q = _rotate(q.view(rows, self.heads, dim), cos, sin)
         k = _rotate(k.view(rows, self.kv_heads, dim), cos, sin)
         keys, values = room.update(k[:, :, None], v.view(rows, self.kv_heads, dim)[:, :, None])
         q = q[:, :, None]  # [rows, heads, 1, dim]
+
+        def own(query, key, value, scale):  # the kernel over each row's own columns, or None
+            if runs is None:
+                return None
+            return hf_native.decode_attention(self.native, query, key, value, runs, scale)
+
         if prefix is not None:
-            out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix)
+            out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix, own)
         else:
-            out = grouped_flash(q, keys, values, cut, layer.scaling)[0]
+            mine = own(q, keys, values, layer.scaling)
+            if mine is None:
+                cut = additive_mask(mask, q.dtype) if cut is None else cut
+                mine = grouped_flash(q, keys, values, cut, layer.scaling)
+            out = mine[0]
         return out.reshape(rows, self.heads * dim)
 
     def _columns_step(self, x, cache, context) -> torch.Tensor:
@@ -280,6 +298,8 @@ def lean_decode(model, cache_layers: int) -> LeanDecode | None:
     except AttributeError as e:  # a module laid out otherwise
         log.info("lean decoding off for %s: %s", type(model).__name__, e)
         return None
+    if lean.head_dim in hf_native.HEAD_DIMS and lean.heads // lean.kv_heads <= hf_native.MAX_GROUP:
+        lean.native = hf_native.kernel()  # the checks below run it
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (2, 6), generator=g)
     attn = torch.ones(2, 6, dtype=torch.long)

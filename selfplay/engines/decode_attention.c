@@ -1,0 +1,143 @@
+/* A decoding step's attention on CPU: one new token a row over that row's own KV cache, each KV
+ * head read once for its group of query heads (hf_native.py compiles this at run time and checks
+ * it against torch's flash kernel before the engine uses it).
+ *
+ * Per (row, KV head): the scores of the group's G queries against every position the row attends
+ * to (given as runs [start, end) of positions, so padding and holes are never read), their
+ * softmax, and the probabilities times the values. Keys and values stream through once, in
+ * position order, a cache line ahead; the (row, KV head) tasks are shared out by OpenMP, which
+ * resolves to the libgomp that torch has already loaded (one thread pool, its threads hot).
+ *
+ * Layouts (fp32): queries [B, Hkv, G, D] contiguous; keys and values: row b, head h, position l at
+ * base + b * row_stride + h * head_stride + l * D (the engine's preallocated cache, any capacity);
+ * runs [B, R, 2] int32; out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's
+ * scaled scores: -inf where a row attends to nothing, its output then zero); scratch: `threads`
+ * buffers `scratch_stride` floats apart, each at least G x (positions + 8).
+ */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int i8 __attribute__((vector_size(32)));
+
+#define MAX_GROUP 16
+#define AHEAD 6 /* positions prefetched ahead */
+
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 load(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
+static inline void store(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+
+static inline v8 pick(i8 when, v8 a, v8 b) {
+  i8 ia, ib, r;
+  memcpy(&ia, &a, sizeof ia);
+  memcpy(&ib, &b, sizeof ib);
+  r = (when & ia) | (~when & ib);
+  v8 out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+static inline float total(v8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+/* exp(x) for x <= 0 (a score minus its row's max): 2^n p(r) with r in [-ln2/2, ln2/2] (Cephes'
+ * single-precision polynomial, about 1e-7 relative); below -87 it reads as exp(-87), and the
+ * caller zeroes -inf scores itself */
+static inline v8 exp_nonpositive(v8 x) {
+  x = pick(x < splat(-87.f), splat(-87.f), x);
+  v8 t = x * splat(1.44269504088896341f);
+  v8 n = __builtin_convertvector(__builtin_convertvector(t - splat(0.5f), i8), v8);
+  n = pick(n > t, n - splat(1.f), n); /* floor(t + 0.5) */
+  v8 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.f);
+  i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  v8 scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#define DEFINE_ATTEND(D)                                                                          \
+  int attend_d##D(const float *q, const float *k, const float *v, const int *runs, int R,         \
+                  float *out, float *lse, int B, int H, int G, long row_stride, long head_stride,  \
+                  float scale, float *scratch, long scratch_stride, int threads) {                \
+    enum { C = D / 8 };                                                                          \
+    if (G < 1 || G > MAX_GROUP) return 1;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
+    for (int t = 0; t < B * H; t++) {                                                            \
+      int b = t / H, h = t % H;                                                                  \
+      const float *kb = k + b * row_stride + h * head_stride;                                    \
+      const float *vb = v + b * row_stride + h * head_stride;                                    \
+      const int *rr = runs + (long)b * R * 2;                                                    \
+      const float *qt = q + (long)t * G * D;                                                     \
+      float *o = out + (long)t * G * D;                                                          \
+      float *s = scratch + scratch_stride * omp_get_thread_num();                                \
+      int width = 0;                                                                             \
+      for (int r = 0; r < R; r++) width += rr[2 * r + 1] - rr[2 * r];                            \
+      if (width <= 0) {                                                                          \
+        memset(o, 0, sizeof(float) * G * D);                                                     \
+        for (int g = 0; g < G; g++) lse[(long)t * G + g] = -INFINITY;                            \
+        continue;                                                                                \
+      }                                                                                          \
+      int padded = (width + 7) & ~7;                                                             \
+      float top[MAX_GROUP];                                                                      \
+      for (int g = 0; g < G; g++) top[g] = -INFINITY;                                            \
+      int i = 0;                                                                                 \
+      for (int r = 0; r < R; r++) {                                                              \
+        for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++, i++) {                                   \
+          const float *kl = kb + (long)l * D;                                                    \
+          for (int c = 0; c < D; c += 16) __builtin_prefetch(kl + AHEAD * D + c);                \
+          v8 kc[C];                                                                              \
+          for (int c = 0; c < C; c++) kc[c] = load(kl + 8 * c);                                 \
+          for (int g = 0; g < G; g++) {                                                          \
+            const float *qg = qt + g * D;                                                        \
+            v8 acc = load(qg) * kc[0];                                                           \
+            for (int c = 1; c < C; c++) acc += load(qg + 8 * c) * kc[c];                         \
+            float x = total(acc) * scale;                                                        \
+            s[g * padded + i] = x;                                                               \
+            top[g] = x > top[g] ? x : top[g];                                                    \
+          }                                                                                      \
+        }                                                                                        \
+      }                                                                                          \
+      for (int g = 0; g < G; g++) {                                                              \
+        float *sg = s + g * padded;                                                              \
+        for (int j = width; j < padded; j++) sg[j] = -INFINITY;                                  \
+        v8 sum = splat(0.f);                                                                     \
+        for (int j = 0; j < padded; j += 8) {                                                    \
+          v8 x = load(sg + j);                                                                   \
+          v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top[g])));    \
+          store(sg + j, e);                                                                      \
+          sum += e;                                                                              \
+        }                                                                                        \
+        float all = total(sum), inv = 1.f / all;                                                 \
+        for (int j = 0; j < width; j++) sg[j] *= inv;                                            \
+        lse[(long)t * G + g] = top[g] + logf(all);                                               \
+        memset(o + g * D, 0, sizeof(float) * D);                                                 \
+      }                                                                                          \
+      i = 0;                                                                                     \
+      for (int r = 0; r < R; r++) {                                                              \
+        for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++, i++) {                                   \
+          const float *vl = vb + (long)l * D;                                                    \
+          for (int c = 0; c < D; c += 16) __builtin_prefetch(vl + AHEAD * D + c);                \
+          v8 vc[C];                                                                              \
+          for (int c = 0; c < C; c++) vc[c] = load(vl + 8 * c);                                  \
+          for (int g = 0; g < G; g++) {                                                          \
+            v8 p = splat(s[g * padded + i]);                                                     \
+            float *og = o + g * D;                                                               \
+            for (int c = 0; c < C; c++) store(og + 8 * c, load(og + 8 * c) + p * vc[c]);         \
+          }                                                                                      \
+        }                                                                                        \
+      }                                                                                          \
+    }                                                                                            \
+    return 0;                                                                                    \
+  }
+
+DEFINE_ATTEND(64)
+DEFINE_ATTEND(128)
