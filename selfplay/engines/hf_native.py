@@ -1,4 +1,5 @@
-"""A decoding step's attention as a small C kernel (``decode_attention.c``), compiled at run time.
+"""Small C kernels of the lean decoding step (``lean_step.c``), compiled at run time: its
+attention, and its element-wise work.
 
 At a decoding step's shapes (one query token a row, a few hundred KV positions) torch's CPU flash
 kernel reads the KV cache at about 8 GB/s on the AVX2 EPYC, against 18-23 GB/s for a plain sum:
@@ -8,6 +9,11 @@ each key while it is in registers, and reads only the positions the row attends 
 mask, so padding and holes are skipped). It runs its (row, KV head) tasks on the OpenMP runtime
 torch has already loaded, so its threads are torch's own.
 
+The element-wise kernels do in one call what the step ran as several torch ops, each a pass over
+memory and a dispatch: the residual add and RMSNorm (``add_rms_norm``), the MLP's SiLU of its
+gate times its up projection (``silu_mul``), and the rotary embedding of q and k in place in the
+fused q/k/v product (``rotary``).
+
 It is built once a process with the machine's C compiler (``$CC``, else ``cc``) for the machine
 it runs on (``-march=native``), in a temporary directory removed once loaded: nothing is written
 anywhere else. It is used only where all of these hold, and torch's flash kernel runs otherwise:
@@ -15,9 +21,10 @@ anywhere else. It is used only where all of these hold, and torch's flash kernel
 - Linux, a compiler that builds it, and torch's OpenMP runtime is GNU's (the kernel's OpenMP
   calls must resolve to the copy torch loaded: a second runtime would bring a second pool of
   threads to the same cores), checked after loading;
-- it agrees with torch's flash kernel on a random batch with padding and holes (1e-5);
-- fp32, head dim 64 or 128, at most 16 query heads a KV head, keys and values laid out with
-  each position's head dims contiguous (the engine's cache).
+- it agrees with torch on random inputs (1e-5): the flash kernel on a batch with padding and
+  holes, the model's own norm, activation and rotary arithmetic;
+- for the attention: fp32, head dim 64 or 128, at most 16 query heads a KV head, keys and
+  values laid out with each position's head dims contiguous (the engine's cache).
 
 On the AVX2 EPYC (2 threads, SmolLM2-135M, 470 KV positions, 240 of them a shared prefix read by
 the cascade, whole decoding steps alternating in one process): a step's own-KV attention took
@@ -43,7 +50,9 @@ log = logging.getLogger(__name__)
 # True: the lean decoding step's attention over each row's own KV runs the kernel where it was
 # built and passed its check; read at call time, so a benchmark can alternate
 NATIVE_ATTENTION = True
-SOURCE = Path(__file__).with_name("decode_attention.c")
+# True: the lean step's element-wise work runs the kernels where built; read at call time
+NATIVE_ELEMENTWISE = True
+SOURCE = Path(__file__).with_name("lean_step.c")
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
@@ -68,7 +77,7 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
     if shutil.which(cc) is None:
         return _off(f"no C compiler ({cc!r} not found)")
     with tempfile.TemporaryDirectory(prefix="selfplay-native-") as tmp:
-        lib = Path(tmp) / "decode_attention.so"
+        lib = Path(tmp) / "lean_step.so"
         try:
             done = subprocess.run(
                 [cc, *FLAGS, str(SOURCE), "-o", str(lib), "-lm"],
@@ -86,6 +95,12 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
     for dim in HEAD_DIMS:
         fn = getattr(loaded, f"attend_d{dim}")
         fn.argtypes, fn.restype = args, ctypes.c_int
+    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    loaded.add_rms_norm.argtypes = [p, p, p, f, p, i, i, n]
+    loaded.silu_mul.argtypes = [p, p, i, i]
+    loaded.rotary.argtypes = [p, p, p, i, i, i, n]
+    for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary):
+        fn.restype = None
     return loaded
 
 
@@ -156,10 +171,59 @@ def decode_attention(lib, query, key, value, runs, scale):
     return out.view(b, h, d), lse.view(b, h)
 
 
+def _rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is fp32 rows the element-wise kernels read: each row's features contiguous."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def add_rms_norm(lib, h, delta, weight, eps):
+    """``h += delta`` in place (None: nothing added), then RMSNorm of its rows times ``weight``:
+    the new tensor. torch's ops where ``lib`` is None or the layouts differ."""
+    if (
+        lib is not None
+        and _rows(h)
+        and (delta is None or (_rows(delta) and delta.stride(0) == h.stride(0)))
+        and h.stride(0) == h.shape[1]
+    ):
+        out = torch.empty_like(h)
+        delta_ptr = None if delta is None else delta.data_ptr()
+        lib.add_rms_norm(
+            h.data_ptr(), delta_ptr, weight.data_ptr(), eps, out.data_ptr(), h.shape[0],
+            h.shape[1], h.stride(0),
+        )  # fmt: skip
+        return out
+    if delta is not None:
+        h += delta
+    return weight * (h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + eps))
+
+
+def silu_mul(lib, gate_up, inter):
+    """``silu(gate) * up`` of each row ``[gate | up]`` of ``gate_up`` (``inter`` features each):
+    the kernel where ``lib`` is there, else torch's ops."""
+    if lib is not None and _rows(gate_up) and gate_up.is_contiguous():
+        out = gate_up.new_empty((gate_up.shape[0], inter))
+        lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        return out
+    gate, up = gate_up.split(inter, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_(lib, x, cos, sin, heads, dim) -> bool:
+    """The rotary embedding (rotate-half form) of the first ``heads`` heads of ``dim`` of each
+    row of ``x``, in place, at ``cos`` and ``sin`` ``[rows, dim]``: True where the kernel ran
+    (False: nothing done, the caller rotates)."""
+    if lib is None or not (_rows(x) and cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    lib.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, dim, x.stride(0))
+    return True
+
+
 def agrees(lib) -> bool:
-    """Whether the kernel's output and log-sum-exp are within 1e-5 of torch's flash kernel on a
-    random batch: rows left-padded, one with a hole, in a cache with room past its positions,
-    every head dim and a group of 1 and of 3."""
+    """Whether the kernels are within 1e-5 of torch on random inputs: the attention's output
+    and log-sum-exp of torch's flash kernel on a batch (rows left-padded, one with a hole, in a
+    cache with room past its positions, every head dim, a group of 1 and of 3), and the
+    element-wise kernels of torch's ops (the fallbacks here, and the rotary embedding in
+    transformers' rotate-half form)."""
     from selfplay.engines.hf_cpu import additive_mask, grouped_flash
 
     g = torch.Generator().manual_seed(0)
@@ -174,7 +238,35 @@ def agrees(lib) -> bool:
             mask[2, 4:20] = False
             want = grouped_flash(q, keys, values, additive_mask(mask[:, None, None], q.dtype), 0.3)
             got = decode_attention(lib, q, keys, values, mask_runs(mask), 0.3)
-            if got is None or any((a - b).abs().max() > 1e-5 for a, b in zip(got, want)):
-                log.info("native decode attention off: it differs from torch's flash kernel")
-                return False
+            if got is None or any(_off_by(a, b) for a, b in zip(got, want)):
+                return _differs("the attention differs from torch's flash kernel")
+    rows, hidden, inter, heads, dim = 5, 96, 52, 5, 16  # 52: a row's tail past its 8-lanes
+    h, delta = torch.randn(2, rows, hidden, generator=g)
+    weight = torch.randn(hidden, generator=g)
+    want = add_rms_norm(None, h.clone(), delta, weight, 1e-6)
+    if _off_by(add_rms_norm(lib, h.clone(), delta, weight, 1e-6), want):
+        return _differs("add_rms_norm differs from torch's")
+    gate_up = 6 * torch.randn(rows, 2 * inter, generator=g)
+    want = silu_mul(None, gate_up, inter)
+    if _off_by(silu_mul(lib, gate_up, inter), want):
+        return _differs("silu_mul differs from torch's")
+    x = torch.randn(rows, (heads + 2) * dim, generator=g)
+    angle = torch.rand(rows, dim // 2, generator=g) * 100
+    cos, sin = (f(torch.cat([angle, angle], dim=1)) for f in (torch.cos, torch.sin))
+    heads_x = x[:, : heads * dim].view(rows, heads, dim)
+    turned = torch.cat([-heads_x[..., dim // 2 :], heads_x[..., : dim // 2]], dim=-1)
+    want = torch.cat(
+        [(heads_x * cos[:, None] + turned * sin[:, None]).flatten(1), x[:, heads * dim :]], 1
+    )
+    if not rotary_(lib, x, cos, sin, heads, dim) or _off_by(x, want):
+        return _differs("rotary differs from torch's")
     return True
+
+
+def _off_by(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape != want.shape or bool((got - want).abs().max() > 1e-5)
+
+
+def _differs(what: str) -> bool:
+    log.info("native lean-step kernels off: %s", what)
+    return False

@@ -124,11 +124,10 @@ def _detached(bias):
     return None if bias is None else bias.detach()
 
 
-def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dim: int = 0) -> torch.Tensor:
-    """RMSNorm over the features of ``h``: feature-major ``[hidden, rows]`` (``dim`` 0) or rows
-    ``[rows, hidden]`` (``dim`` 1)."""
-    weight = weight[:, None] if dim == 0 else weight
-    return weight * (h * torch.rsqrt(h.pow(2).mean(dim, keepdim=True) + eps))
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the features of feature-major ``h`` ``[hidden, rows]`` (in rows:
+    ``hf_native.add_rms_norm``)."""
+    return weight[:, None] * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + eps))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,8 +155,11 @@ class LeanDecode:
         self.lm_head = model.lm_head.weight.detach()
         self.lm_bias = _detached(model.lm_head.bias)
         self.packed_head: torch.Tensor | None = None
-        # the compiled decode attention (hf_native.kernel()) where lean_decode found one
+        # the compiled kernels (hf_native.kernel()) where lean_decode found them, and whether
+        # their attention covers this model's heads
         self.native = None
+        group = self.heads // self.kv_heads
+        self.native_attends = self.head_dim in hf_native.HEAD_DIMS and group <= hf_native.MAX_GROUP
 
     @property
     def packed(self) -> bool:
@@ -187,7 +189,7 @@ class LeanDecode:
         # the native kernel's runs of each row's own columns (after the shared prefix), or the
         # flash kernel's additive mask for attention without a shared prefix
         runs = cut = None
-        if self.native is not None and hf_native.NATIVE_ATTENTION:
+        if self.native is not None and self.native_attends and hf_native.NATIVE_ATTENTION:
             runs = hf_native.mask_runs(attn[:, shared:].bool())
         elif not prefix:
             cut = additive_mask(mask, x.dtype)
@@ -196,13 +198,17 @@ class LeanDecode:
             return self._rows_step(x, cache, context)
         return self._columns_step(x, cache, context)
 
-    def _attend(self, layer, room, q, k, v, context) -> torch.Tensor:
-        """Attention of rows ``q``, ``k``, ``v`` ``[rows, features]`` (views will do): the rotary
-        embedding, the cache's update, attention over the cache: ``[rows, heads x dim]``."""
+    def _attend(self, layer, room, qkv, context, lib=None) -> torch.Tensor:
+        """Attention of rows ``qkv`` ``[rows, q | k | v features]`` (a view will do): the rotary
+        embedding (in place in ``qkv`` by ``lib``'s kernel where given), the cache's update,
+        attention over the cache: ``[rows, heads x dim]``."""
         cos, sin, mask, prefix, cut, runs = context
-        rows, dim = q.shape[0], self.head_dim
-        q = _rotate(q.view(rows, self.heads, dim), cos, sin)
-        k = _rotate(k.view(rows, self.kv_heads, dim), cos, sin)
+        rows, dim = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split(layer.sizes, dim=1)
+        q, k = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim)
+        both = self.heads + self.kv_heads  # q's heads, then k's, at the start of each row
+        if not hf_native.rotary_(lib, qkv, cos.view(rows, dim), sin.view(rows, dim), both, dim):
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = room.update(k[:, :, None], v.view(rows, self.kv_heads, dim)[:, :, None])
         q = q[:, :, None]  # [rows, heads, 1, dim]
 
@@ -235,9 +241,8 @@ class LeanDecode:
         for layer, room in zip(self.layers, cache.layers):
             n = _rms_norm(h, layer.norm1, layer.eps1)
             # back to rows once for q, k and v: attention and the cache take rows
-            qkv = _product(*layer.qkv, n)[:, :rows]
-            q, k, v = qkv.t().contiguous().split(layer.sizes, dim=1)
-            attended[:, :rows] = self._attend(layer, room, q, k, v, context).t()
+            qkv = _product(*layer.qkv, n)[:, :rows].t().contiguous()
+            attended[:, :rows] = self._attend(layer, room, qkv, context).t()
             h = h + _product(*layer.o, attended)
             n = _rms_norm(h, layer.norm2, layer.eps2)
             gate, up = _product(*layer.gate_up, n).split(layer.inter)
@@ -245,17 +250,24 @@ class LeanDecode:
         return self._logits(_rms_norm(h, self.final_norm, self.final_eps))[:rows]
 
     def _rows_step(self, x, cache, context) -> torch.Tensor:
-        """The step in rows, every product on the packed weights (``pack``)."""
-        h = x
+        """The step in rows, every product on the packed weights (``pack``); the residual stream
+        ``h`` (the embedding's own output) is added to in place, each add with the norm after
+        it, and the element-wise work runs the compiled kernels where the engine has them
+        (``hf_native``)."""
+        lib = self.native if hf_native.NATIVE_ELEMENTWISE else None
+        h, delta = x, None
         for layer, room in zip(self.layers, cache.layers):
             qkv_w, o_w, gate_up_w, down_w = layer.packed
-            n = _rms_norm(h, layer.norm1, layer.eps1, dim=1)
-            q, k, v = _packed_product(qkv_w, layer.qkv[1], n).split(layer.sizes, dim=1)
-            h = h + _packed_product(o_w, layer.o[1], self._attend(layer, room, q, k, v, context))
-            n = _rms_norm(h, layer.norm2, layer.eps2, dim=1)
-            gate, up = _packed_product(gate_up_w, layer.gate_up[1], n).split(layer.inter, dim=1)
-            h = h + _packed_product(down_w, layer.down[1], layer.act(gate) * up)
-        n = _rms_norm(h, self.final_norm, self.final_eps, dim=1)
+            n = hf_native.add_rms_norm(lib, h, delta, layer.norm1, layer.eps1)
+            qkv = _packed_product(qkv_w, layer.qkv[1], n)
+            attended = self._attend(layer, room, qkv, context, lib)
+            n = hf_native.add_rms_norm(
+                lib, h, _packed_product(o_w, layer.o[1], attended), layer.norm2, layer.eps2
+            )
+            gate_up = _packed_product(gate_up_w, layer.gate_up[1], n)
+            act = hf_native.silu_mul(lib, gate_up, layer.inter)  # lean_decode: SiLU models only
+            delta = _packed_product(down_w, layer.down[1], act)
+        n = hf_native.add_rms_norm(lib, h, delta, self.final_norm, self.final_eps)
         return _packed_product(self.packed_head, self.lm_bias, n)
 
     def _logits(self, n: torch.Tensor) -> torch.Tensor:
@@ -298,8 +310,7 @@ def lean_decode(model, cache_layers: int) -> LeanDecode | None:
     except AttributeError as e:  # a module laid out otherwise
         log.info("lean decoding off for %s: %s", type(model).__name__, e)
         return None
-    if lean.head_dim in hf_native.HEAD_DIMS and lean.heads // lean.kv_heads <= hf_native.MAX_GROUP:
-        lean.native = hf_native.kernel()  # the checks below run it
+    lean.native = hf_native.kernel()  # the checks below run it
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (2, 6), generator=g)
     attn = torch.ones(2, 6, dtype=torch.long)

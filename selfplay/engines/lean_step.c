@@ -1,6 +1,8 @@
-/* A decoding step's attention on CPU: one new token a row over that row's own KV cache, each KV
- * head read once for its group of query heads (hf_native.py compiles this at run time and checks
- * it against torch's flash kernel before the engine uses it).
+/* Small kernels of the lean decoding step on CPU (hf_native.py compiles this file at run time and
+ * checks each kernel against torch before the engine uses it).
+ *
+ * First the step's attention: one new token a row over that row's own KV cache, each KV head read
+ * once for its group of query heads.
  *
  * Per (row, KV head): the scores of the group's G queries against every position the row attends
  * to (given as runs [start, end) of positions, so padding and holes are never read), their
@@ -141,3 +143,63 @@ static inline v8 exp_nonpositive(v8 x) {
 
 DEFINE_ATTEND(64)
 DEFINE_ATTEND(128)
+
+/* ---- the step's element-wise work, one call each where torch runs several ops (one thread:
+ * at a step's sizes the work is microseconds and a parallel region's wake-up costs more) ---- */
+
+/* h += delta (where delta is not NULL), then out = weight * h / sqrt(mean(h^2) + eps), per row of
+ * `hidden` features (rows `stride` floats apart in h, delta and out) */
+void add_rms_norm(float *h, const float *delta, const float *weight, float eps, float *out,
+                  int rows, int hidden, long stride) {
+  for (int r = 0; r < rows; r++) {
+    float *x = h + r * stride;
+    float *y = out + r * stride;
+    const float *d = delta ? delta + r * stride : 0;
+    float sum = 0.f;
+    for (int i = 0; i < hidden; i++) {
+      float a = d ? x[i] + d[i] : x[i];
+      x[i] = a;
+      sum += a * a;
+    }
+    float inv = 1.f / sqrtf(sum / hidden + eps);
+    for (int i = 0; i < hidden; i++) y[i] = weight[i] * (x[i] * inv);
+  }
+}
+
+/* out[r, i] = silu(gate[r, i]) * up[r, i], gate and up the two halves of each row of x
+ * [rows, 2 x inter] */
+void silu_mul(const float *x, float *out, int rows, int inter) {
+  for (int r = 0; r < rows; r++) {
+    const float *g = x + (long)r * 2 * inter, *u = g + inter;
+    float *y = out + (long)r * inter;
+    int i = 0;
+    for (; i + 8 <= inter; i += 8) {
+      v8 a = load(g + i);
+      /* exp(-|a|) is exact for both signs: sigmoid(a) = 1 / (1 + e) or e / (1 + e) */
+      v8 neg = pick(a > splat(0.f), -a, a);
+      v8 e = exp_nonpositive(neg);
+      v8 sig = pick(a > splat(0.f), splat(1.f) / (splat(1.f) + e), e / (splat(1.f) + e));
+      store(y + i, a * sig * load(u + i));
+    }
+    for (; i < inter; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+}
+
+/* the rotary embedding (rotate-half form), in place, of `heads` heads of `dim` at the start of
+ * each row of x (rows `stride` floats apart): x * cos + rotate_half(x) * sin, cos and sin
+ * [rows, dim] */
+void rotary(float *x, const float *cos, const float *sin, int rows, int heads, int dim,
+            long stride) {
+  int half = dim / 2;
+  for (int r = 0; r < rows; r++) {
+    const float *c = cos + (long)r * dim, *s = sin + (long)r * dim;
+    for (int h = 0; h < heads; h++) {
+      float *v = x + r * stride + (long)h * dim;
+      for (int i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
