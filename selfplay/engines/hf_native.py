@@ -16,7 +16,7 @@ fused q/k/v product (``rotary``).
 
 It is built once a process with the machine's C compiler (``$CC``, else ``cc``) for the machine
 it runs on (``-march=native``), in a temporary directory removed once loaded: nothing is written
-anywhere else. It is used only where all of these hold, and torch's flash kernel runs otherwise:
+anywhere else. It is used only where all of these hold, and torch's ops run otherwise:
 
 - Linux, a compiler that builds it, and torch's OpenMP runtime is GNU's (the kernel's OpenMP
   calls must resolve to the copy torch loaded: a second runtime would bring a second pool of
@@ -105,7 +105,7 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
 
 
 def _off(reason: str) -> None:
-    log.info("native decode attention off: %s", reason)
+    log.info("native lean-step kernels off: %s", reason)
     return None
 
 
