@@ -109,13 +109,9 @@ def attention_alone(model, rows, kv, shared, dtype, repeats) -> dict[str, float]
     if lib is not None:
         runs = hf_native.mask_runs(mask[:, 0, 0, shared:])
 
-        def own(q, k, v, scale):
-            return hf_native.decode_attention(lib, q, k, v, runs, scale)
-
         def native():
-            prefix = SharedPrefix(shared)
             for k, v in caches:
-                hf_cpu.cascade_decode_attention(query, k, v, mask, None, prefix, own)
+                hf_native.attention(lib, query, k, v, runs, None, shared)
 
         fns[f"cascade ({shared} shared), own columns compiled"] = native
     with torch.inference_mode():

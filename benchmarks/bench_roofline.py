@@ -206,16 +206,12 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
 
         runs = hf_native.mask_runs(mask[:, 0, 0, shared:])
 
-        def own(q, k, v, scale, runs=runs):
-            return hf_native.decode_attention(lib, q, k, v, runs, scale)
-
-        def attend(q, k, v, mask, shared=shared, cut=cut, own=own):
+        def attend(q, k, v, mask, shared=shared, cut=cut, runs=runs):
+            if lib is not None:
+                return hf_native.attention(lib, q, k, v, runs, None, shared)
             if shared:
                 prefix = hf_cpu.SharedPrefix(shared)
-                own = own if lib is not None else None
-                return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix, own)
-            if lib is not None:
-                return own(q, k, v, None)
+                return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix)
             if engine._lean is not None:
                 return hf_cpu.grouped_flash(q, k, v, cut, dim**-0.5)
             if hf_cpu.GROUPED_DECODE:

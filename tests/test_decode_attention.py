@@ -408,6 +408,17 @@ def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_head
         assert out.shape == want.shape == (rows, heads, dim) and lse.shape == (rows, heads)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    # every row's first 40 columns the same (the cascade's shared prefix): attended to once by
+    # the flash kernel and joined with each row's own columns in the kernel, as the cascade joins
+    from selfplay.engines.hf_cpu import SharedPrefix, cascade_decode_attention
+
+    room[:, :, :, :40] = room[:, :1, :, :40]
+    own = hf_native.mask_runs(mask[:, 40:])
+    for scale in (dim**-0.5, 0.3):
+        got = hf_native.attention(lib, query, key, value, own, scale, 40)
+        wide = mask[:, None, None]
+        want = cascade_decode_attention(query, key, value, wide, scale, SharedPrefix(40))
+        torch.testing.assert_close(got, want[:, :, 0], rtol=1e-5, atol=1e-5)
     nothing = hf_native.mask_runs(torch.zeros(1, length, dtype=torch.bool))
     out, lse = hf_native.decode_attention(lib, query[:1], key[:1], value[:1], nothing, 0.3)
     assert (out == 0).all() and (lse == float("-inf")).all()

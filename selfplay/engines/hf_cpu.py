@@ -94,31 +94,26 @@ def passes_shared_prefix(model) -> bool:
     return probe.seen == layers
 
 
-def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefix, own=None):
+def cascade_decode_attention(query, key, value, mask, scale, shared: SharedPrefix):
     """Attention of one new token a row over its KV cache when the first ``shared.length``
     columns of every row hold the same tokens: those are attended to once for all rows (every
     row's query heads as one sequence of queries over row 0's prefix: a product rather than one
     per row), the rest per row, and the two merged by their log-sum-exps. ``[B, H, 1, D]``
     queries over ``[B, Hkv, L, D]`` keys and values (GQA read per KV head by torch's CPU flash
     kernel); ``mask`` is SDPA's boolean mask ``[B, 1, 1, L]`` (True: attend) or None. Exact up to
-    float rounding: the softmax over the two parts is split and rejoined, not changed. ``own``:
-    attention over each row's own columns, ``(query, key, value, scale) -> (out, lse)`` as
-    ``grouped_flash`` returns them, or None where it does not apply (the flash kernel then)."""
+    float rounding: the softmax over the two parts is split and rejoined, not changed."""
     b, h, _, d = query.shape
     p = shared.length
     if query.stride(-1) != 1:  # torch's CPU flash kernel reads a head's dims as contiguous
         query = query.contiguous()
     shared_q = query.transpose(0, 2)  # [1, H, B, D]: every row's query over the one prefix
     o_shared, lse_shared = _flash(shared_q, key[:1, :, :p], value[:1, :, :p], scale=scale)
-    mine = None if own is None else own(query, key[:, :, p:], value[:, :, p:], scale)
-    if mine is None:
-        cut = None
-        if mask is not None:
-            if shared._mask[0] is not mask:  # every layer of a step gets the same mask tensor
-                shared._mask = (mask, additive_mask(mask[..., p:], query.dtype))
-            cut = shared._mask[1]
-        mine = grouped_flash(query, key[:, :, p:], value[:, :, p:], cut, scale)
-    o_own, lse_own = mine
+    cut = None
+    if mask is not None:
+        if shared._mask[0] is not mask:  # every layer of a step gets the same mask tensor
+            shared._mask = (mask, additive_mask(mask[..., p:], query.dtype))
+        cut = shared._mask[1]
+    o_own, lse_own = grouped_flash(query, key[:, :, p:], value[:, :, p:], cut, scale)
     o_shared = o_shared[0].transpose(0, 1)  # [B, H, D]
     weight = torch.sigmoid(lse_shared[0].transpose(0, 1) - lse_own)[..., None]
     out = o_own + weight * (o_shared - o_own)

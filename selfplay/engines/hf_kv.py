@@ -167,6 +167,16 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
+    def grow(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for ``n`` more tokens that the caller writes itself: the key and value rooms and
+        the column where the new tokens go; the layer's keys and values now reach past them."""
+        start = self.get_seq_length()
+        end = start + n
+        if self._keys is None or end > self.capacity:
+            raise RuntimeError(f"no room for {n} more tokens ({start} of {self.capacity} held)")
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self._keys, self._values, start
+
     @classmethod
     def stacked(
         cls,

@@ -90,16 +90,15 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
         loaded = ctypes.CDLL(str(lib))  # mapped: the file can go
     if _loaded_openmp() != before:
         return _off("it brought a second OpenMP runtime (torch's is another)")
-    args = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    args += [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     for dim in HEAD_DIMS:
         fn = getattr(loaded, f"attend_d{dim}")
-        fn.argtypes, fn.restype = args, ctypes.c_int
-    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        fn.argtypes = [p, n, p, p, p, i, p, p, i, i, i, n, n, f, p, n, i, p, p, n, n, n, n]
+        fn.restype = ctypes.c_int
     loaded.add_rms_norm.argtypes = [p, p, p, f, p, i, i, n]
     loaded.silu_mul.argtypes = [p, p, i, i]
-    loaded.rotary.argtypes = [p, p, p, i, i, i, n]
-    for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary):
+    loaded.rotary_cache.argtypes = [p, p, p, i, i, i, i, n, p, p, n, n, n]
+    for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary_cache):
         fn.restype = None
     return loaded
 
@@ -136,12 +135,15 @@ def mask_runs(mask: torch.Tensor) -> torch.Tensor:
     return runs
 
 
-def decode_attention(lib, query, key, value, runs, scale):
-    """Attention of one new token a row (``[B, H, 1, D]`` queries) over its own keys and values
+def decode_attention(lib, query, key, value, runs, scale, shared=None):
+    """Attention of one new token a row (``[B, H, 1, D]`` queries; rows may be strided, each row's
+    heads contiguous: a view into the fused q/k/v product will do) over its own keys and values
     ``[B, Hkv, L, D]`` at the positions ``runs`` (``mask_runs``) names, scores scaled by
     ``scale`` (None: ``D ** -0.5``): the output ``[B, H, D]`` and its log-sum-exp ``[B, H]`` (as
     ``hf_cpu.grouped_flash`` returns them), or None where the kernel does not cover these tensors
-    (the caller runs the flash kernel)."""
+    (the caller runs the flash kernel). ``shared``: the output ``[B, H, D]`` and log-sum-exp
+    ``[B, H]`` of the same queries over a shared prefix (views will do), joined with the own
+    columns' in the kernel (the cascade's merge)."""
     b, h, _, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = h // kv_heads
@@ -149,26 +151,55 @@ def decode_attention(lib, query, key, value, runs, scale):
         d in HEAD_DIMS
         and group <= MAX_GROUP
         and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.stride(-1) == 1
+        and query.stride(1) == d
         and key.stride() == value.stride()
         and key.stride(-1) == 1
         and key.stride(-2) == d
         and runs.shape[0] == b
     ):
         return None
+    joined, joined_lse = shared if shared is not None else (None, None)
+    if joined is not None and (joined.stride(-1) != 1 or joined.dtype != torch.float32):
+        return None
     scale = d**-0.5 if scale is None else scale
-    query = query.contiguous()
     out = query.new_empty((b, kv_heads, group, d))
     lse = query.new_empty((b, kv_heads, group))
     threads = torch.get_num_threads()
     scratch = query.new_empty((threads, group * (length + 8)))
     status = getattr(lib, f"attend_d{d}")(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), runs.data_ptr(), runs.shape[1],
-        out.data_ptr(), lse.data_ptr(), b, kv_heads, group, key.stride(0), key.stride(1),
-        scale, scratch.data_ptr(), scratch.stride(0), threads,
+        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), runs.data_ptr(),
+        runs.shape[1], out.data_ptr(), lse.data_ptr(), b, kv_heads, group, key.stride(0),
+        key.stride(1), scale, scratch.data_ptr(), scratch.stride(0), threads,
+        None if joined is None else joined.data_ptr(),
+        None if joined is None else joined_lse.data_ptr(),
+        *(joined.stride()[:2] if joined is not None else (0, 0)),
+        *(joined_lse.stride() if joined is not None else (0, 0)),
     )  # fmt: skip
     if status != 0:
         return None
     return out.view(b, h, d), lse.view(b, h)
+
+
+def attention(lib, query, key, value, runs, scale, prefix: int = 0) -> torch.Tensor | None:
+    """A lean decoding step's attention ``[B, H, D]`` by the kernel, or None where it does not
+    cover these tensors: over each row's own columns (after the first ``prefix``, which every
+    row shares: those attended to once for all rows by torch's flash kernel, as the cascade
+    does, and joined in the kernel), at the positions ``runs`` names (of the own columns)."""
+    shared = None
+    if prefix:
+        if query.stride(-1) != 1:
+            return None
+        shared_q = query.transpose(0, 2)  # [1, H, B, D]: every row's query over the one prefix
+        out, lse = _flash(shared_q, key[:1, :, :prefix], value[:1, :, :prefix], scale=scale)
+        shared = out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [B, H, D], [B, H]
+    got = decode_attention(
+        lib, query, key[:, :, prefix:], value[:, :, prefix:], runs, scale, shared
+    )
+    return None if got is None else got[0]
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -208,39 +239,69 @@ def silu_mul(lib, gate_up, inter):
     return torch.nn.functional.silu(gate) * up
 
 
-def rotary_(lib, x, cos, sin, heads, dim) -> bool:
-    """The rotary embedding (rotate-half form) of the first ``heads`` heads of ``dim`` of each
-    row of ``x``, in place, at ``cos`` and ``sin`` ``[rows, dim]``: True where the kernel ran
-    (False: nothing done, the caller rotates)."""
-    if lib is None or not (_rows(x) and cos.is_contiguous() and sin.is_contiguous()):
+def rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) -> bool:
+    """The rotary embedding (rotate-half form, at ``cos`` and ``sin`` ``[rows, dim]``) of each
+    row of the fused q/k/v product ``x``: q rotated in place, k rotated into the cache
+    ``layer``'s next column (a ``PreallocatedLayer``, grown by one) and v copied there. True
+    where the kernel ran; False (nothing done: the caller rotates and updates the cache) where
+    ``lib`` is None or the layouts differ."""
+    from selfplay.engines.hf_kv import PreallocatedLayer
+
+    if (
+        lib is None
+        or not isinstance(layer, PreallocatedLayer)
+        or layer._keys is None
+        or not (_rows(x) and cos.is_contiguous() and sin.is_contiguous())
+        or not (layer._keys.is_contiguous() and layer._values.is_contiguous())
+        or layer._keys.dtype != torch.float32
+        or layer._keys.shape[0] != x.shape[0]
+    ):
         return False
-    lib.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, dim, x.stride(0))
+    keys, values, column = layer.grow(1)
+    dim = keys.shape[-1]
+    lib.rotary_cache(
+        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, kv_heads, dim,
+        x.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), column,
+    )  # fmt: skip
     return True
 
 
 def agrees(lib) -> bool:
     """Whether the kernels are within 1e-5 of torch on random inputs: the attention's output
     and log-sum-exp of torch's flash kernel on a batch (rows left-padded, one with a hole, in a
-    cache with room past its positions, every head dim, a group of 1 and of 3), and the
-    element-wise kernels of torch's ops (the fallbacks here, and the rotary embedding in
-    transformers' rotate-half form)."""
-    from selfplay.engines.hf_cpu import additive_mask, grouped_flash
+    cache with room past its positions, every head dim, a group of 1 and of 3), and joined with
+    a shared prefix the cascade's (``hf_cpu.cascade_decode_attention``); the element-wise
+    kernels of torch's ops (the fallbacks here, and the rotary embedding in transformers'
+    rotate-half form, k and v written into the cache's next column)."""
+    from selfplay.engines.hf_cpu import (
+        SharedPrefix,
+        additive_mask,
+        cascade_decode_attention,
+        grouped_flash,
+    )
+    from selfplay.engines.hf_kv import PreallocatedLayer
 
     g = torch.Generator().manual_seed(0)
     for dim in HEAD_DIMS:
         for heads, kv_heads in ((6, 2), (2, 2)):
-            rows, length = 3, 37
+            rows, length, prefix = 3, 37, 10
             q = torch.randn(rows, heads, 1, dim, generator=g)
             room = torch.randn(2, rows, kv_heads, length + 5, dim, generator=g)
+            room[:, :, :, :prefix] = room[:, :1, :, :prefix]  # every row's copy of the prefix
             keys, values = room[0, :, :, :length], room[1, :, :, :length]
             mask = torch.ones(rows, length, dtype=torch.bool)
             mask[1, :9] = False
-            mask[2, 4:20] = False
+            mask[2, 14:20] = False
             want = grouped_flash(q, keys, values, additive_mask(mask[:, None, None], q.dtype), 0.3)
             got = decode_attention(lib, q, keys, values, mask_runs(mask), 0.3)
             if got is None or any(_off_by(a, b) for a, b in zip(got, want)):
                 return _differs("the attention differs from torch's flash kernel")
-    rows, hidden, inter, heads, dim = 5, 96, 52, 5, 16  # 52: a row's tail past its 8-lanes
+            wide = mask[:, None, None]
+            want = cascade_decode_attention(q, keys, values, wide, 0.3, SharedPrefix(prefix))
+            got = attention(lib, q, keys, values, mask_runs(mask[:, prefix:]), 0.3, prefix)
+            if got is None or _off_by(got, want[:, :, 0]):
+                return _differs("the attention joined with a shared prefix differs from torch's")
+    rows, hidden, inter, heads, kv_heads, dim = 5, 96, 52, 4, 2, 16  # 52: past the 8 lanes
     h, delta = torch.randn(2, rows, hidden, generator=g)
     weight = torch.randn(hidden, generator=g)
     want = add_rms_norm(None, h.clone(), delta, weight, 1e-6)
@@ -250,17 +311,32 @@ def agrees(lib) -> bool:
     want = silu_mul(None, gate_up, inter)
     if _off_by(silu_mul(lib, gate_up, inter), want):
         return _differs("silu_mul differs from torch's")
-    x = torch.randn(rows, (heads + 2) * dim, generator=g)
+    x = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
     angle = torch.rand(rows, dim // 2, generator=g) * 100
     cos, sin = (f(torch.cat([angle, angle], dim=1)) for f in (torch.cos, torch.sin))
-    heads_x = x[:, : heads * dim].view(rows, heads, dim)
-    turned = torch.cat([-heads_x[..., dim // 2 :], heads_x[..., : dim // 2]], dim=-1)
-    want = torch.cat(
-        [(heads_x * cos[:, None] + turned * sin[:, None]).flatten(1), x[:, heads * dim :]], 1
-    )
-    if not rotary_(lib, x, cos, sin, heads, dim) or _off_by(x, want):
-        return _differs("rotary differs from torch's")
+    q, k, v = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    turned = [_rotated(t.reshape(rows, -1, dim), cos, sin) for t in (q, k)]
+    layer = PreallocatedLayer(9)
+    layer.update(*torch.randn(2, rows, kv_heads, 7, dim, generator=g))
+    before = layer.keys.clone()
+    if not rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) or _off_by(
+        q.reshape(rows, heads, dim), turned[0]
+    ):
+        return _differs("the rotary embedding of q differs from torch's")
+    if (
+        _off_by(layer.keys[:, :, :7], before)
+        or _off_by(layer.keys[:, :, 7], turned[1])
+        or _off_by(layer.values[:, :, 7], v.reshape(rows, kv_heads, dim))
+    ):
+        return _differs("k and v in the cache differ from torch's")
     return True
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate-half rotary embedding of ``x`` ``[rows, heads, dim]``."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + turned * sin[:, None]
 
 
 def _off_by(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -200,31 +200,30 @@ class LeanDecode:
 
     def _attend(self, layer, room, qkv, context, lib=None) -> torch.Tensor:
         """Attention of rows ``qkv`` ``[rows, q | k | v features]`` (a view will do): the rotary
-        embedding (in place in ``qkv`` by ``lib``'s kernel where given), the cache's update,
-        attention over the cache: ``[rows, heads x dim]``."""
+        embedding and the cache's update (by ``lib``'s kernel where given: q rotated in place in
+        ``qkv``, k and v written into the cache), attention over the cache (the compiled kernel
+        where the step has its runs, else torch's flash kernel): ``[rows, heads x dim]``."""
         cos, sin, mask, prefix, cut, runs = context
         rows, dim = qkv.shape[0], self.head_dim
         q, k, v = qkv.split(layer.sizes, dim=1)
-        q, k = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim)
-        both = self.heads + self.kv_heads  # q's heads, then k's, at the start of each row
-        if not hf_native.rotary_(lib, qkv, cos.view(rows, dim), sin.view(rows, dim), both, dim):
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys, values = room.update(k[:, :, None], v.view(rows, self.kv_heads, dim)[:, :, None])
-        q = q[:, :, None]  # [rows, heads, 1, dim]
-
-        def own(query, key, value, scale):  # the kernel over each row's own columns, or None
-            if runs is None:
-                return None
-            return hf_native.decode_attention(self.native, query, key, value, runs, scale)
-
-        if prefix is not None:
-            out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix, own)
+        q = q.view(rows, self.heads, dim)
+        two = cos.view(rows, dim), sin.view(rows, dim)
+        if hf_native.rotary_cache(lib, qkv, *two, self.heads, self.kv_heads, room):
+            keys, values = room.keys, room.values
         else:
-            mine = own(q, keys, values, layer.scaling)
-            if mine is None:
-                cut = additive_mask(mask, q.dtype) if cut is None else cut
-                mine = grouped_flash(q, keys, values, cut, layer.scaling)
-            out = mine[0]
+            q, k = _rotate(q, cos, sin), _rotate(k.view(rows, self.kv_heads, dim), cos, sin)
+            v = v.view(rows, self.kv_heads, dim)
+            keys, values = room.update(k[:, :, None], v[:, :, None])
+        q = q[:, :, None]  # [rows, heads, 1, dim]
+        out = None
+        if runs is not None:
+            shared = prefix.length if prefix is not None else 0
+            out = hf_native.attention(self.native, q, keys, values, runs, layer.scaling, shared)
+        if out is None and prefix is not None:
+            out = cascade_decode_attention(q, keys, values, mask, layer.scaling, prefix)
+        elif out is None:
+            cut = additive_mask(mask, q.dtype) if cut is None else cut
+            out = grouped_flash(q, keys, values, cut, layer.scaling)[0]
         return out.reshape(rows, self.heads * dim)
 
     def _columns_step(self, x, cache, context) -> torch.Tensor:

@@ -10,11 +10,17 @@
  * position order, a cache line ahead; the (row, KV head) tasks are shared out by OpenMP, which
  * resolves to the libgomp that torch has already loaded (one thread pool, its threads hot).
  *
- * Layouts (fp32): queries [B, Hkv, G, D] contiguous; keys and values: row b, head h, position l at
- * base + b * row_stride + h * head_stride + l * D (the engine's preallocated cache, any capacity);
- * runs [B, R, 2] int32; out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's
- * scaled scores: -inf where a row attends to nothing, its output then zero); scratch: `threads`
- * buffers `scratch_stride` floats apart, each at least G x (positions + 8).
+ * Layouts (fp32): queries [B, Hkv x G, D], rows `q_row_stride` apart (a view into the fused q/k/v
+ * product will do); keys and values: row b, head h, position l at base + b * row_stride +
+ * h * head_stride + l * D (the engine's preallocated cache, any capacity); runs [B, R, 2] int32;
+ * out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled scores: -inf where a
+ * row attends to nothing, its output then zero); scratch: `threads` buffers `scratch_stride`
+ * floats apart, each at least G x (positions + 8).
+ *
+ * Where `shared` is not NULL, each query's output and log-sum-exp over a shared prefix (the
+ * cascade's, computed apart: query head j of row b at shared + b * shared_b + j * shared_h, its
+ * log-sum-exp at shared_lse + b * lse_b + j * lse_h) are joined with the row's own by their
+ * log-sum-exps: out = own + sigmoid(lse_shared - lse_own) (shared - own), lse their logaddexp.
  */
 #include <math.h>
 #include <omp.h>
@@ -66,10 +72,27 @@ static inline v8 exp_nonpositive(v8 x) {
   return p * scale;
 }
 
+/* join G outputs of `dim` (query heads first.. of row b) and their log-sum-exps with the shared
+ * prefix's */
+static void join(float *o, float *lse, const float *shared, const float *shared_lse, int b,
+                 int first, int G, int dim, long shared_b, long shared_h, long lse_b, long lse_h) {
+  for (int g = 0; g < G; g++) {
+    const float *os = shared + b * shared_b + (first + g) * shared_h;
+    float ls = shared_lse[b * lse_b + (first + g) * lse_h], lo = lse[g];
+    float w = lo == -INFINITY ? 1.f : 1.f / (1.f + expf(lo - ls));
+    float *og = o + (long)g * dim;
+    for (int i = 0; i < dim; i++) og[i] += w * (os[i] - og[i]);
+    float top = lo > ls ? lo : ls;
+    lse[g] = top == -INFINITY ? top : top + logf(expf(lo - top) + expf(ls - top));
+  }
+}
+
 #define DEFINE_ATTEND(D)                                                                          \
-  int attend_d##D(const float *q, const float *k, const float *v, const int *runs, int R,         \
-                  float *out, float *lse, int B, int H, int G, long row_stride, long head_stride,  \
-                  float scale, float *scratch, long scratch_stride, int threads) {                \
+  int attend_d##D(const float *q, long q_row_stride, const float *k, const float *v,              \
+                  const int *runs, int R, float *out, float *lse, int B, int H, int G,             \
+                  long row_stride, long head_stride, float scale, float *scratch,                  \
+                  long scratch_stride, int threads, const float *shared, const float *shared_lse,  \
+                  long shared_b, long shared_h, long lse_b, long lse_h) {                          \
     enum { C = D / 8 };                                                                          \
     if (G < 1 || G > MAX_GROUP) return 1;                                                        \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
@@ -78,7 +101,7 @@ static inline v8 exp_nonpositive(v8 x) {
       const float *kb = k + b * row_stride + h * head_stride;                                    \
       const float *vb = v + b * row_stride + h * head_stride;                                    \
       const int *rr = runs + (long)b * R * 2;                                                    \
-      const float *qt = q + (long)t * G * D;                                                     \
+      const float *qt = q + b * q_row_stride + (long)h * G * D;                                  \
       float *o = out + (long)t * G * D;                                                          \
       float *s = scratch + scratch_stride * omp_get_thread_num();                                \
       int width = 0;                                                                             \
@@ -86,6 +109,8 @@ static inline v8 exp_nonpositive(v8 x) {
       if (width <= 0) {                                                                          \
         memset(o, 0, sizeof(float) * G * D);                                                     \
         for (int g = 0; g < G; g++) lse[(long)t * G + g] = -INFINITY;                            \
+        if (shared) join(o, lse + (long)t * G, shared, shared_lse, b, h * G, G, D, shared_b,    \
+                         shared_h, lse_b, lse_h);                                                \
         continue;                                                                                \
       }                                                                                          \
       int padded = (width + 7) & ~7;                                                             \
@@ -137,6 +162,8 @@ static inline v8 exp_nonpositive(v8 x) {
           }                                                                                      \
         }                                                                                        \
       }                                                                                          \
+      if (shared) join(o, lse + (long)t * G, shared, shared_lse, b, h * G, G, D, shared_b,      \
+                       shared_h, lse_b, lse_h);                                                  \
     }                                                                                            \
     return 0;                                                                                    \
   }
@@ -185,21 +212,30 @@ void silu_mul(const float *x, float *out, int rows, int inter) {
   }
 }
 
-/* the rotary embedding (rotate-half form), in place, of `heads` heads of `dim` at the start of
- * each row of x (rows `stride` floats apart): x * cos + rotate_half(x) * sin, cos and sin
- * [rows, dim] */
-void rotary(float *x, const float *cos, const float *sin, int rows, int heads, int dim,
-            long stride) {
+/* the rotary embedding (rotate-half form) of each row of x (rows `stride` floats apart: q's
+ * `heads` heads of `dim`, then k's `kv_heads`, then v's), at cos and sin [rows, dim]: q rotated in
+ * place, k rotated into the key cache and v copied into the value cache, row b's KV head h at
+ * column `column` of keys / values + b * row_stride + h * head_stride (column * dim floats in) */
+static inline void turn(const float *x, float *y, const float *c, const float *s, int dim) {
   int half = dim / 2;
+  for (int i = 0; i < half; i++) {
+    float a = x[i], b = x[i + half];
+    y[i] = a * c[i] - b * s[i];
+    y[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
+void rotary_cache(float *x, const float *cos, const float *sin, int rows, int heads, int kv_heads,
+                  int dim, long stride, float *keys, float *values, long row_stride,
+                  long head_stride, long column) {
   for (int r = 0; r < rows; r++) {
     const float *c = cos + (long)r * dim, *s = sin + (long)r * dim;
-    for (int h = 0; h < heads; h++) {
-      float *v = x + r * stride + (long)h * dim;
-      for (int i = 0; i < half; i++) {
-        float a = v[i], b = v[i + half];
-        v[i] = a * c[i] - b * s[i];
-        v[i + half] = b * c[i + half] + a * s[i + half];
-      }
+    float *row = x + r * stride;
+    for (int h = 0; h < heads; h++) turn(row + (long)h * dim, row + (long)h * dim, c, s, dim);
+    for (int h = 0; h < kv_heads; h++) {
+      long at = r * row_stride + h * head_stride + column * dim;
+      turn(row + (long)(heads + h) * dim, keys + at, c, s, dim);
+      memcpy(values + at, row + (long)(heads + kv_heads + h) * dim, sizeof(float) * dim);
     }
   }
 }
