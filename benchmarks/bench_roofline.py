@@ -41,7 +41,8 @@ cache, norms, sampling, the engine's bookkeeping). A fourth, "matmuls + attentio
 adds each decoding step's attention timed on its own (the engine's decoding attention: the cascade
 over a batch's shared prefix where its steps used it, else the lean step's ``hf_cpu.grouped_flash``
 (SDPA, or ``hf_cpu.grouped_decode_attention`` where ``--decode-attention grouped``, for a model
-the lean step does not cover), at the step's rows and
+the lean step does not cover; each row's own columns by the compiled kernel, ``hf_native``,
+where the lean step has it), at the step's rows and
 the mean widths of steps of that many rows, every layer its own KV): what the stage's kernels
 at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
 and the model's glue (norms, rotary, sampling, Python) rather than kernels.
@@ -365,6 +366,10 @@ def main() -> None:
     attention = "grouped" if hf_cpu.GROUPED_DECODE else "sdpa"
     attention = f"the lean step's grouped flash ({attention} where it does not cover the model)"
     attention = f"cascade over a shared prefix, else {attention}" if hf_cpu.CASCADE else attention
+    from selfplay.engines import hf_native
+
+    if hf_native.NATIVE_ATTENTION and hf_native.kernel() is not None:
+        attention += "; in the lean step, each row's own columns by the compiled kernel (hf_native)"
     console.print(f"the engine's decoding attention: {attention}")
 
     def measure(dtype: str) -> dict[str, float]:
