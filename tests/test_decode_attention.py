@@ -440,6 +440,13 @@ def test_native_decode_attention_is_off_where_it_cannot_build_or_differs(tiny_mo
     lib = _native_kernel()
     assert hf_native.build("selfplay-no-such-compiler") is None
     assert hf_native.build("false") is None  # a compiler that exits 1
+
+    def no_load(path):
+        raise OSError(f"{path}: failed to map segment from shared object")  # a noexec /tmp
+
+    with monkeypatch.context() as m:
+        m.setattr(hf_native.ctypes, "CDLL", no_load)
+        assert hf_native.build() is None
     assert hf_native.agrees(lib)
     attention = hf_native.decode_attention
     with monkeypatch.context() as m:

@@ -87,7 +87,10 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
             return _off(f"{cc} failed: {e}")
         if done.returncode != 0:
             return _off(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-        loaded = ctypes.CDLL(str(lib))  # mapped: the file can go
+        try:
+            loaded = ctypes.CDLL(str(lib))  # mapped: the file can go
+        except OSError as e:  # e.g. a temporary folder mounted noexec
+            return _off(f"the built library does not load: {e}")
     if _loaded_openmp() != before:
         return _off("it brought a second OpenMP runtime (torch's is another)")
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
