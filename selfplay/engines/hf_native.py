@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from selfplay.engines.hf_kv import PreallocatedLayer
+
 log = logging.getLogger(__name__)
 
 # True: the lean decoding step's attention over each row's own KV runs the kernel where it was
@@ -248,8 +250,6 @@ def rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) -> bool:
     ``layer``'s next column (a ``PreallocatedLayer``, grown by one) and v copied there. True
     where the kernel ran; False (nothing done: the caller rotates and updates the cache) where
     ``lib`` is None or the layouts differ."""
-    from selfplay.engines.hf_kv import PreallocatedLayer
-
     if (
         lib is None
         or not isinstance(layer, PreallocatedLayer)
@@ -282,7 +282,6 @@ def agrees(lib) -> bool:
         cascade_decode_attention,
         grouped_flash,
     )
-    from selfplay.engines.hf_kv import PreallocatedLayer
 
     g = torch.Generator().manual_seed(0)
     for dim in HEAD_DIMS:
