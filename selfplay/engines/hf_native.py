@@ -317,7 +317,7 @@ def agrees(lib) -> bool:
     angle = torch.rand(rows, dim // 2, generator=g) * 100
     cos, sin = (f(torch.cat([angle, angle], dim=1)) for f in (torch.cos, torch.sin))
     q, k, v = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
-    turned = [_rotated(t.reshape(rows, -1, dim), cos, sin) for t in (q, k)]
+    turned = [rotate(t.reshape(rows, -1, dim), cos[:, None], sin[:, None]) for t in (q, k)]
     layer = PreallocatedLayer(9)
     layer.update(*torch.randn(2, rows, kv_heads, 7, dim, generator=g))
     before = layer.keys.clone()
@@ -334,11 +334,11 @@ def agrees(lib) -> bool:
     return True
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotate-half rotary embedding of ``x`` ``[rows, heads, dim]``."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[rows, heads, dim]`` at ``cos`` and ``sin`` ``[rows, 1, dim]``
+    (transformers' rotate-half form): what ``rotary_cache``'s kernel computes, in torch."""
     half = x.shape[-1] // 2
-    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + turned * sin[:, None]
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _off_by(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -136,12 +136,6 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight[:, None] * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + eps))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[rows, heads, dim]`` (transformers' rotate-half form)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class LeanDecode:
     """One decoding step of ``model`` (module docstring): ``step`` returns the next-token
     logits ``[rows, vocab]`` and appends each row's KV to ``cache`` as the model's forward
@@ -217,7 +211,8 @@ class LeanDecode:
         if hf_native.rotary_cache(lib, qkv, *two, self.heads, self.kv_heads, room):
             keys, values = room.keys, room.values
         else:
-            q, k = _rotate(q, cos, sin), _rotate(k.view(rows, self.kv_heads, dim), cos, sin)
+            rotate = hf_native.rotate
+            q, k = rotate(q, cos, sin), rotate(k.view(rows, self.kv_heads, dim), cos, sin)
             v = v.view(rows, self.kv_heads, dim)
             keys, values = room.update(k[:, :, None], v[:, :, None])
         q = q[:, :, None]  # [rows, heads, 1, dim]
