@@ -186,12 +186,14 @@ def test_a_model_hands_the_shared_prefix_to_every_layers_attention(tiny_model):
 
 
 def _steps_both_ways(
-    model, lean, shared: int, rows: int = 5
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    model, lean, shared: int, rows: int = 5, reference=None
+) -> list[tuple[torch.Tensor, ...]]:
     """A batch prefilled through the model into two copies of the engine's cache (left-padded,
     or with its first ``shared`` columns the same tokens in every row and the padding after
     them), then decoding steps on one through the model and on the other through ``lean``:
-    each step's logits both ways."""
+    each step's logits both ways. With ``reference`` (another model of the same architecture),
+    a third copy of the cache goes through it too, each step's logits a third item, and its
+    argmax picks the next tokens."""
     from transformers import Cache
 
     from selfplay.engines.hf_cpu import SHARED_PREFIX, SharedPrefix
@@ -205,25 +207,32 @@ def _steps_both_ways(
     for b in range(rows):
         attn[b, shared : shared + (2 * b) % 10] = 0  # padding (after the shared columns)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    models = [model, model] + ([reference] if reference is not None else [])
     caches = [
         Cache(layers=[PreallocatedLayer(width + steps) for _ in range(plain_cache_layers(model))])
-        for _ in range(2)
+        for _ in models
     ]
     out = []
     with torch.inference_mode():
-        for cache in caches:
-            first = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                          past_key_values=cache, use_cache=True).logits[:, -1]  # fmt: skip
+        for cache, m in zip(caches, models):
+            first = m(input_ids=ids, attention_mask=attn, position_ids=pos,
+                      past_key_values=cache, use_cache=True).logits[:, -1]  # fmt: skip
         tok, last = first.argmax(-1), pos[:, -1]
         for _ in range(steps):
             attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=1)
             last = last + 1
-            extra = {SHARED_PREFIX: SharedPrefix(shared)} if shared else {}
-            extra.update(attention_mask=attn, position_ids=last[:, None], use_cache=True)
-            want = model(input_ids=tok[:, None], past_key_values=caches[0], **extra).logits[:, -1]
-            got = lean.step(tok, last, caches[1], attn, shared)
-            out.append((got, want))
-            tok = want.argmax(-1)
+            logits = []
+            for i, (m, cache) in enumerate(zip(models, caches)):
+                if i == 1:
+                    logits.append(lean.step(tok, last, cache, attn, shared))
+                    continue
+                extra = {SHARED_PREFIX: SharedPrefix(shared)} if shared else {}
+                extra.update(attention_mask=attn, position_ids=last[:, None], use_cache=True)
+                step = m(input_ids=tok[:, None], past_key_values=cache, **extra)
+                logits.append(step.logits[:, -1])
+            want, got, *ref = logits
+            out.append((got, want, *ref))
+            tok = (ref or [want])[0].argmax(-1)
     return out
 
 
@@ -261,7 +270,10 @@ def test_lean_decoding_is_off_where_it_does_not_cover_the_model(tiny_model, monk
     layers = plain_cache_layers(model)
     assert hf_step.lean_decode(model, layers) is not None
     assert hf_step.lean_decode(model, 0) is None
-    assert hf_step.lean_decode(model.to(torch.bfloat16), layers) is None
+    assert hf_step.lean_decode(model.to(torch.float16), layers) is None
+    with monkeypatch.context() as m:  # bf16 runs on packed weights only
+        m.setattr(hf_step, "available_memory", lambda device: 1024)
+        assert hf_step.lean_decode(model.to(torch.bfloat16), layers) is None
     model.float()
     monkeypatch.setattr(hf_step, "LEAN_MODEL_TYPES", ("llama",))
     assert hf_step.lean_decode(model, layers) is None
@@ -376,13 +388,16 @@ def _native_kernel():
     return lib
 
 
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2), (4, 4), (16, 1)])
-def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_heads):
+def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_heads, cache):
     """The compiled kernel (hf_native) over rows of a cache with room to spare, read at the runs
     of each row's mask (left padding, holes, none at all): the output and log-sum-exp of torch's
     flash kernel over the same rows with the same mask; a row that attends to nothing gives
-    zeros and a log-sum-exp of -inf (the cascade's merge then takes the shared prefix alone)."""
+    zeros and a log-sum-exp of -inf (the cascade's merge then takes the shared prefix alone). A
+    bf16 cache (a bf16 model's) is read widened to fp32: the flash kernel's over the widened
+    cache, to the same 1e-5."""
     from selfplay.engines import hf_native
     from selfplay.engines.hf_cpu import additive_mask, grouped_flash
 
@@ -390,7 +405,7 @@ def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_head
     g = torch.Generator().manual_seed(dim + heads)
     rows, length = 7, 301
     query = torch.randn(rows, heads, 1, dim, generator=g)
-    room = torch.randn(2, rows, kv_heads, length + 40, dim, generator=g)
+    room = torch.randn(2, rows, kv_heads, length + 40, dim, generator=g).to(cache)
     key, value = room[0, :, :, :length], room[1, :, :, :length]
     mask = torch.ones(rows, length, dtype=torch.bool)
     for b in range(1, rows - 1):
@@ -404,7 +419,7 @@ def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_head
     cut = additive_mask(mask[:, None, None], query.dtype)
     for scale in (dim**-0.5, 0.3):
         out, lse = hf_native.decode_attention(lib, query, key, value, runs, scale)
-        want, want_lse = grouped_flash(query, key, value, cut, scale)
+        want, want_lse = grouped_flash(query, key.float(), value.float(), cut, scale)
         assert out.shape == want.shape == (rows, heads, dim) and lse.shape == (rows, heads)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
@@ -416,8 +431,8 @@ def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_head
     own = hf_native.mask_runs(mask[:, 40:])
     for scale in (dim**-0.5, 0.3):
         got = hf_native.attention(lib, query, key, value, own, scale, 40)
-        wide = mask[:, None, None]
-        want = cascade_decode_attention(query, key, value, wide, scale, SharedPrefix(40))
+        wide, prefix = mask[:, None, None], SharedPrefix(40)
+        want = cascade_decode_attention(query, key.float(), value.float(), wide, scale, prefix)
         torch.testing.assert_close(got, want[:, :, 0], rtol=1e-5, atol=1e-5)
     nothing = hf_native.mask_runs(torch.zeros(1, length, dtype=torch.bool))
     out, lse = hf_native.decode_attention(lib, query[:1], key[:1], value[:1], nothing, 0.3)
@@ -427,6 +442,7 @@ def test_native_decode_attention_is_the_flash_kernels_to_1e5(dim, heads, kv_head
     assert hf_native.decode_attention(lib, *half, runs, 0.3) is None
     assert hf_native.decode_attention(lib, query, key.double(), value, runs, 0.3) is None
     assert hf_native.decode_attention(lib, query, key.contiguous(), value, runs, 0.3) is None
+    assert hf_native.decode_attention(lib, query.to(cache).double(), key, value, runs, 0.3) is None
 
 
 def test_native_decode_attention_is_off_where_it_cannot_build_or_differs(tiny_model, monkeypatch):
@@ -480,3 +496,67 @@ def test_lean_steps_on_the_native_kernel_are_the_models_own_to_1e5(tiny_model_d6
     assert engine._lean is not None and engine._lean.native is lib
     for got, want in _steps_both_ways(engine.model, engine._lean, shared, rows):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "which,native,shared,rows",
+    [("tiny", True, 0, 5), ("tiny", True, 70, 5), ("tiny", True, 70, 17), ("tiny", False, 0, 5),
+     ("tiny", False, 70, 5), ("smollm2", True, 70, 5), ("smollm2", False, 70, 5)],
+)  # fmt: skip
+def test_bf16_lean_steps_are_as_close_to_exact_as_the_models_own_bf16_forward(
+    tiny_model_d64, which, shared, rows, native, monkeypatch
+):
+    """A bf16 model's lean step (its products oneDNN's bf16 kernels on the packed weights; its
+    residual stream, norms, rotary embedding, attention over the bf16 cache and logits in fp32,
+    by the compiled kernels or torch's ops) against the exact result, the same bf16 weights
+    computed in fp32: within 1.5x of the model's own bf16 forward's distance from it, step after
+    step, and picking the same next tokens where that forward does. On the tiny random model
+    both are near the logits' own bf16 rounding; on SmolLM2-135M (the embedded default, real
+    weights) a slip in the arithmetic shows (without its rotary embedding the step is 0.4 of the
+    logits' scale off, against 0.01)."""
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.engines import HFEngineConfig, hf_native
+    from selfplay.engines.hf import HFEngine
+    from selfplay.engines.hf_cpu import fuse_projections, grouped_sdpa, weight_major_linears
+    from selfplay.models import embedded_model_dir
+
+    lib = _native_kernel()
+    monkeypatch.setattr(hf_native, "NATIVE_ATTENTION", native)
+    monkeypatch.setattr(hf_native, "NATIVE_ELEMENTWISE", native)
+    path = str(tiny_model_d64 if which == "tiny" else embedded_model_dir())
+    engine = HFEngine(HFEngineConfig(model=path, device="cpu", dtype="bf16"))
+    assert engine.model.dtype == torch.bfloat16
+    assert engine._lean is not None and engine._lean.packed and engine._lean.native is lib
+    exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    exact = exact.float().eval()  # the bf16 weights, every sum in fp32
+    exact.set_attn_implementation(grouped_sdpa())
+    weight_major_linears(exact)
+    fuse_projections(exact)
+    steps = _steps_both_ways(engine.model, engine._lean, shared, rows, reference=exact)
+    ours, theirs = [], []
+    for got, want, ref in steps:
+        assert got.dtype == ref.dtype == torch.float32 and got.shape == want.shape
+        ours.append((got - ref).abs().max().item())
+        theirs.append((want.float() - ref).abs().max().item())
+        agree = want.argmax(-1) == ref.argmax(-1)
+        assert (got.argmax(-1)[agree] == ref.argmax(-1)[agree]).all()
+    assert max(ours) <= 1.5 * max(theirs), (ours, theirs)
+    assert max(ours) > 0  # bf16 products: not fp32's arithmetic
+
+
+def test_the_lean_step_of_a_bf16_model_is_off_where_it_differs(tiny_model_d64, monkeypatch):
+    """The start-up check of a bf16 model's lean step: a step whose logits are off the model's
+    own bf16 forward by more than bf16's rounding (a rotary embedding left out, here) is not
+    used, and the engine keeps transformers' forward."""
+    from transformers import AutoModelForCausalLM
+
+    from selfplay.engines import hf_step
+    from selfplay.engines.hf_kv import plain_cache_layers
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_d64), dtype=torch.bfloat16)
+    layers = plain_cache_layers(model.eval())
+    assert hf_step.lean_decode(model, layers) is not None
+    step = hf_step.LeanDecode.step
+    monkeypatch.setattr(hf_step.LeanDecode, "step", lambda *a, **k: step(*a, **k) * 1.2)
+    assert hf_step.lean_decode(model, layers) is None

@@ -23,8 +23,10 @@ anywhere else. It is used only where all of these hold, and torch's ops run othe
   threads to the same cores), checked after loading;
 - it agrees with torch on random inputs (1e-5): the flash kernel on a batch with padding and
   holes, the model's own norm, activation and rotary arithmetic;
-- for the attention: fp32, head dim 64 or 128, at most 16 query heads a KV head, keys and
-  values laid out with each position's head dims contiguous (the engine's cache).
+- for the attention: fp32 queries over a fp32 or bf16 cache (a bf16 model's: each key and value
+  widened to fp32 as it is read, every sum in fp32), head dim 64 or 128, at most 16 query heads
+  a KV head, keys and values laid out with each position's head dims contiguous (the engine's
+  cache).
 
 On the AVX2 EPYC (2 threads, SmolLM2-135M, 470 KV positions, 240 of them a shared prefix read by
 the cascade, whole decoding steps alternating in one process): a step's own-KV attention took
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -57,6 +60,12 @@ NATIVE_ELEMENTWISE = True
 SOURCE = Path(__file__).with_name("lean_step.c")
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
+# the KV caches the attention reads (widened to fp32 as it reads), and its kernels' name parts
+KV_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}
+# the largest head dim rotary_cache takes (its buffer of one rotated key)
+MAX_ROTARY_DIM = 256
+# the dtypes the element-wise kernels read and write (1: bf16)
+_BF16 = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
@@ -97,12 +106,13 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
         return _off("it brought a second OpenMP runtime (torch's is another)")
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     for dim in HEAD_DIMS:
-        fn = getattr(loaded, f"attend_d{dim}")
-        fn.argtypes = [p, n, p, p, p, i, p, p, i, i, i, n, n, f, p, n, i, p, p, n, n, n, n]
-        fn.restype = ctypes.c_int
-    loaded.add_rms_norm.argtypes = [p, p, p, f, p, i, i, n]
-    loaded.silu_mul.argtypes = [p, p, i, i]
-    loaded.rotary_cache.argtypes = [p, p, p, i, i, i, i, n, p, p, n, n, n]
+        for kv in KV_DTYPES.values():
+            fn = getattr(loaded, f"attend{kv}_d{dim}")
+            fn.argtypes = [p, n, p, p, p, i, p, p, i, i, i, n, n, f, p, n, i, p, p, n, n, n, n]
+            fn.restype = ctypes.c_int
+    loaded.add_rms_norm.argtypes = [p, p, i, p, f, p, i, i, i, n]
+    loaded.silu_mul.argtypes = [p, p, i, i, i]
+    loaded.rotary_cache.argtypes = [p, i, p, n, p, p, i, i, i, i, n, p, p, i, n, n, n]
     for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary_cache):
         fn.restype = None
     return loaded
@@ -142,20 +152,22 @@ def mask_runs(mask: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(lib, query, key, value, runs, scale, shared=None):
     """Attention of one new token a row (``[B, H, 1, D]`` queries; rows may be strided, each row's
-    heads contiguous: a view into the fused q/k/v product will do) over its own keys and values
-    ``[B, Hkv, L, D]`` at the positions ``runs`` (``mask_runs``) names, scores scaled by
-    ``scale`` (None: ``D ** -0.5``): the output ``[B, H, D]`` and its log-sum-exp ``[B, H]`` (as
-    ``hf_cpu.grouped_flash`` returns them), or None where the kernel does not cover these tensors
-    (the caller runs the flash kernel). ``shared``: the output ``[B, H, D]`` and log-sum-exp
-    ``[B, H]`` of the same queries over a shared prefix (views will do), joined with the own
-    columns' in the kernel (the cascade's merge)."""
+    heads contiguous: a view into the fused q/k/v product will do; fp32) over its own keys and
+    values ``[B, Hkv, L, D]`` (fp32, or bf16 read widened to fp32) at the positions ``runs``
+    (``mask_runs``) names, scores scaled by ``scale`` (None: ``D ** -0.5``): the output
+    ``[B, H, D]`` and its log-sum-exp ``[B, H]`` (as ``hf_cpu.grouped_flash`` returns them), or
+    None where the kernel does not cover these tensors (the caller runs the flash kernel).
+    ``shared``: the output ``[B, H, D]`` and log-sum-exp ``[B, H]`` of the same queries over a
+    shared prefix (views will do), joined with the own columns' in the kernel (the cascade's
+    merge)."""
     b, h, _, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = h // kv_heads
     if not (
         d in HEAD_DIMS
         and group <= MAX_GROUP
-        and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.dtype == torch.float32
+        and key.dtype == value.dtype in KV_DTYPES
         and query.stride(-1) == 1
         and query.stride(1) == d
         and key.stride() == value.stride()
@@ -172,7 +184,7 @@ def decode_attention(lib, query, key, value, runs, scale, shared=None):
     lse = query.new_empty((b, kv_heads, group))
     threads = torch.get_num_threads()
     scratch = query.new_empty((threads, group * (length + 8)))
-    status = getattr(lib, f"attend_d{d}")(
+    status = getattr(lib, f"attend{KV_DTYPES[key.dtype]}_d{d}")(
         query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), runs.data_ptr(),
         runs.shape[1], out.data_ptr(), lse.data_ptr(), b, kv_heads, group, key.stride(0),
         key.stride(1), scale, scratch.data_ptr(), scratch.stride(0), threads,
@@ -196,7 +208,9 @@ def attention(lib, query, key, value, runs, scale, prefix: int = 0) -> torch.Ten
         if query.stride(-1) != 1:
             return None
         shared_q = query.transpose(0, 2)  # [1, H, B, D]: every row's query over the one prefix
-        out, lse = _flash(shared_q, key[:1, :, :prefix], value[:1, :, :prefix], scale=scale)
+        # (a bf16 cache's prefix widened to the queries' fp32: one row's, a few hundred columns)
+        k, v = (x[:1, :, :prefix].to(query.dtype) for x in (key, value))
+        out, lse = _flash(shared_q, k, v, scale=scale)
         shared = out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [B, H, D], [B, H]
     got = decode_attention(
         lib, query, key[:, :, prefix:], value[:, :, prefix:], runs, scale, shared
@@ -208,74 +222,96 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` is fp32 rows the element-wise kernels read: each row's features contiguous."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    """Whether ``x`` is rows the element-wise kernels read: fp32 or bf16, 2-D, each row's
+    features contiguous."""
+    return x.dtype in _BF16 and x.dim() == 2 and x.stride(1) == 1
 
 
-def add_rms_norm(lib, h, delta, weight, eps):
-    """``h += delta`` in place (None: nothing added), then RMSNorm of its rows times ``weight``:
-    the new tensor. torch's ops where ``lib`` is None or the layouts differ."""
+def add_rms_norm(lib, h, delta, weight, eps, dtype=torch.float32):
+    """``h += delta`` in place (fp32 ``h``; ``delta`` fp32 or bf16, None: nothing added), then
+    RMSNorm of its rows times ``weight`` (fp32), computed in fp32: the new tensor, in ``dtype``
+    (fp32, or bf16 for a bf16 model's products). torch's ops where ``lib`` is None or the
+    layouts differ."""
     if (
         lib is not None
+        and h.dtype == torch.float32
+        and dtype in _BF16
         and _rows(h)
         and (delta is None or (_rows(delta) and delta.stride(0) == h.stride(0)))
         and h.stride(0) == h.shape[1]
     ):
-        out = torch.empty_like(h)
-        delta_ptr = None if delta is None else delta.data_ptr()
+        out = torch.empty_like(h, dtype=dtype)
         lib.add_rms_norm(
-            h.data_ptr(), delta_ptr, weight.data_ptr(), eps, out.data_ptr(), h.shape[0],
-            h.shape[1], h.stride(0),
+            h.data_ptr(), None if delta is None else delta.data_ptr(),
+            0 if delta is None else _BF16[delta.dtype], weight.data_ptr(), eps, out.data_ptr(),
+            _BF16[dtype], h.shape[0], h.shape[1], h.stride(0),
         )  # fmt: skip
         return out
     if delta is not None:
         h += delta
-    return weight * (h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + eps))
+    return (weight * (h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + eps))).to(dtype)
 
 
 def silu_mul(lib, gate_up, inter):
-    """``silu(gate) * up`` of each row ``[gate | up]`` of ``gate_up`` (``inter`` features each):
-    the kernel where ``lib`` is there, else torch's ops."""
+    """``silu(gate) * up`` of each row ``[gate | up]`` of ``gate_up`` (``inter`` features each;
+    fp32 or bf16, computed in fp32, returned in its dtype): the kernel where ``lib`` is there,
+    else torch's ops."""
     if lib is not None and _rows(gate_up) and gate_up.is_contiguous():
         out = gate_up.new_empty((gate_up.shape[0], inter))
-        lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        lib.silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, _BF16[gate_up.dtype]
+        )
         return out
-    gate, up = gate_up.split(inter, dim=1)
-    return torch.nn.functional.silu(gate) * up
+    gate, up = gate_up.float().split(inter, dim=1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
-def rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) -> bool:
-    """The rotary embedding (rotate-half form, at ``cos`` and ``sin`` ``[rows, dim]``) of each
-    row of the fused q/k/v product ``x``: q rotated in place, k rotated into the cache
-    ``layer``'s next column (a ``PreallocatedLayer``, grown by one) and v copied there. True
-    where the kernel ran; False (nothing done: the caller rotates and updates the cache) where
-    ``lib`` is None or the layouts differ."""
+def rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) -> torch.Tensor | None:
+    """The rotary embedding (rotate-half form, at ``cos`` and ``sin`` ``[rows, dim]``, fp32) of
+    each row of the fused q/k/v product ``x`` (fp32 or bf16): k rotated into the cache
+    ``layer``'s next column (a ``PreallocatedLayer`` of fp32 or bf16, grown by one) and v copied
+    there; the rotated q ``[rows, heads x dim]`` returned in fp32 (a view of ``x``, rotated in
+    place, where ``x`` is fp32). None (nothing done: the caller rotates and updates the cache)
+    where ``lib`` is None or the layouts differ."""
     if (
         lib is None
         or not isinstance(layer, PreallocatedLayer)
         or layer._keys is None
         or not (_rows(x) and cos.is_contiguous() and sin.is_contiguous())
+        or cos.dtype != torch.float32
         or not (layer._keys.is_contiguous() and layer._values.is_contiguous())
-        or layer._keys.dtype != torch.float32
+        or layer._keys.dtype not in _BF16
         or layer._keys.shape[0] != x.shape[0]
+        or layer._keys.shape[-1] > MAX_ROTARY_DIM
     ):
-        return False
+        return None
     keys, values, column = layer.grow(1)
-    dim = keys.shape[-1]
+    rows, dim = x.shape[0], keys.shape[-1]
+    q = x[:, : heads * dim]
+    if x.dtype != torch.float32:
+        q = torch.empty((rows, heads * dim), dtype=torch.float32)
     lib.rotary_cache(
-        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, kv_heads, dim,
-        x.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), column,
+        x.data_ptr(), _BF16[x.dtype], q.data_ptr(), q.stride(0), cos.data_ptr(), sin.data_ptr(),
+        rows, heads, kv_heads, dim, x.stride(0), keys.data_ptr(), values.data_ptr(),
+        _BF16[keys.dtype], keys.stride(0), keys.stride(1), column,
     )  # fmt: skip
-    return True
+    return q
 
 
 def agrees(lib) -> bool:
-    """Whether the kernels are within 1e-5 of torch on random inputs: the attention's output
-    and log-sum-exp of torch's flash kernel on a batch (rows left-padded, one with a hole, in a
-    cache with room past its positions, every head dim, a group of 1 and of 3), and joined with
-    a shared prefix the cascade's (``hf_cpu.cascade_decode_attention``); the element-wise
-    kernels of torch's ops (the fallbacks here, and the rotary embedding in transformers'
-    rotate-half form, k and v written into the cache's next column)."""
+    """Whether the kernels agree with torch on random inputs: the attention's output and
+    log-sum-exp of torch's flash kernel on a batch (rows left-padded, one with a hole, in a
+    cache with room past its positions, every head dim, a group of 1 and of 3, a fp32 and a bf16
+    cache: the flash kernel reads the bf16 one widened to fp32), and joined with a shared prefix
+    the cascade's (``hf_cpu.cascade_decode_attention``); the element-wise kernels of torch's ops
+    (the fallbacks here, and the rotary embedding in transformers' rotate-half form, k and v
+    written into the cache's next column), in fp32 and with bf16 inputs and outputs. Within 1e-5,
+    and a bf16 result within its rounding (one unit in its last place)."""
+    g = torch.Generator().manual_seed(0)
+    return _attention_agrees(lib, g) and all(_elementwise_agrees(lib, g, dtype) for dtype in _BF16)
+
+
+def _attention_agrees(lib, g: torch.Generator) -> bool:
     from selfplay.engines.hf_cpu import (
         SharedPrefix,
         additive_mask,
@@ -283,54 +319,60 @@ def agrees(lib) -> bool:
         grouped_flash,
     )
 
-    g = torch.Generator().manual_seed(0)
-    for dim in HEAD_DIMS:
-        for heads, kv_heads in ((6, 2), (2, 2)):
-            rows, length, prefix = 3, 37, 10
-            q = torch.randn(rows, heads, 1, dim, generator=g)
-            room = torch.randn(2, rows, kv_heads, length + 5, dim, generator=g)
-            room[:, :, :, :prefix] = room[:, :1, :, :prefix]  # every row's copy of the prefix
-            keys, values = room[0, :, :, :length], room[1, :, :, :length]
-            mask = torch.ones(rows, length, dtype=torch.bool)
-            mask[1, :9] = False
-            mask[2, 14:20] = False
-            want = grouped_flash(q, keys, values, additive_mask(mask[:, None, None], q.dtype), 0.3)
-            got = decode_attention(lib, q, keys, values, mask_runs(mask), 0.3)
-            if got is None or any(_off_by(a, b) for a, b in zip(got, want)):
-                return _differs("the attention differs from torch's flash kernel")
-            wide = mask[:, None, None]
-            want = cascade_decode_attention(q, keys, values, wide, 0.3, SharedPrefix(prefix))
-            got = attention(lib, q, keys, values, mask_runs(mask[:, prefix:]), 0.3, prefix)
-            if got is None or _off_by(got, want[:, :, 0]):
-                return _differs("the attention joined with a shared prefix differs from torch's")
+    for dim, cache, (heads, kv_heads) in itertools.product(HEAD_DIMS, KV_DTYPES, ((6, 2), (2, 2))):
+        rows, length, prefix = 3, 37, 10
+        q = torch.randn(rows, heads, 1, dim, generator=g)
+        room = torch.randn(2, rows, kv_heads, length + 5, dim, generator=g).to(cache)
+        room[:, :, :, :prefix] = room[:, :1, :, :prefix]  # every row's copy of the prefix
+        keys, values = room[0, :, :, :length], room[1, :, :, :length]
+        wide_keys, wide_values = keys.float(), values.float()  # what the kernel reads
+        mask = torch.ones(rows, length, dtype=torch.bool)
+        mask[1, :9] = False
+        mask[2, 14:20] = False
+        cut = additive_mask(mask[:, None, None], q.dtype)
+        want = grouped_flash(q, wide_keys, wide_values, cut, 0.3)
+        got = decode_attention(lib, q, keys, values, mask_runs(mask), 0.3)
+        if got is None or any(_off_by(a, b) for a, b in zip(got, want)):
+            return _differs(f"the attention ({cache} cache) differs from torch's flash kernel")
+        wide = mask[:, None, None]
+        shared = SharedPrefix(prefix)
+        want = cascade_decode_attention(q, wide_keys, wide_values, wide, 0.3, shared)
+        got = attention(lib, q, keys, values, mask_runs(mask[:, prefix:]), 0.3, prefix)
+        if got is None or _off_by(got, want[:, :, 0]):
+            return _differs(f"the attention ({cache} cache) joined with a shared prefix differs")
+    return True
+
+
+def _elementwise_agrees(lib, g: torch.Generator, dtype: torch.dtype) -> bool:
+    """The element-wise kernels against torch, their products' side in ``dtype``."""
     rows, hidden, inter, heads, kv_heads, dim = 5, 96, 52, 4, 2, 16  # 52: past the 8 lanes
     h, delta = torch.randn(2, rows, hidden, generator=g)
+    delta = delta.to(dtype)
     weight = torch.randn(hidden, generator=g)
-    want = add_rms_norm(None, h.clone(), delta, weight, 1e-6)
-    if _off_by(add_rms_norm(lib, h.clone(), delta, weight, 1e-6), want):
-        return _differs("add_rms_norm differs from torch's")
-    gate_up = 6 * torch.randn(rows, 2 * inter, generator=g)
+    want = add_rms_norm(None, h.clone(), delta, weight, 1e-6, dtype)
+    if _off_by(add_rms_norm(lib, h.clone(), delta, weight, 1e-6, dtype), want):
+        return _differs(f"add_rms_norm ({dtype}) differs from torch's")
+    gate_up = (6 * torch.randn(rows, 2 * inter, generator=g)).to(dtype)
     want = silu_mul(None, gate_up, inter)
     if _off_by(silu_mul(lib, gate_up, inter), want):
-        return _differs("silu_mul differs from torch's")
-    x = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+        return _differs(f"silu_mul ({dtype}) differs from torch's")
+    x = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     angle = torch.rand(rows, dim // 2, generator=g) * 100
     cos, sin = (f(torch.cat([angle, angle], dim=1)) for f in (torch.cos, torch.sin))
-    q, k, v = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    q, k, v = x.float().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     turned = [rotate(t.reshape(rows, -1, dim), cos[:, None], sin[:, None]) for t in (q, k)]
     layer = PreallocatedLayer(9)
-    layer.update(*torch.randn(2, rows, kv_heads, 7, dim, generator=g))
+    layer.update(*torch.randn(2, rows, kv_heads, 7, dim, generator=g).to(dtype))
     before = layer.keys.clone()
-    if not rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) or _off_by(
-        q.reshape(rows, heads, dim), turned[0]
-    ):
-        return _differs("the rotary embedding of q differs from torch's")
+    got = rotary_cache(lib, x, cos, sin, heads, kv_heads, layer)
+    if got is None or _off_by(got.reshape(rows, heads, dim), turned[0]):
+        return _differs(f"the rotary embedding of q ({dtype}) differs from torch's")
     if (
         _off_by(layer.keys[:, :, :7], before)
-        or _off_by(layer.keys[:, :, 7], turned[1])
-        or _off_by(layer.values[:, :, 7], v.reshape(rows, kv_heads, dim))
+        or _off_by(layer.keys[:, :, 7], turned[1].to(dtype))
+        or _off_by(layer.values[:, :, 7], v.reshape(rows, kv_heads, dim).to(dtype))
     ):
-        return _differs("k and v in the cache differ from torch's")
+        return _differs(f"k and v in the ({dtype}) cache differ from torch's")
     return True
 
 
@@ -342,7 +384,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _off_by(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return got.shape != want.shape or bool((got - want).abs().max() > 1e-5)
+    """Whether ``got`` is off ``want`` by more than 1e-5 (fp32), or by more than one unit in the
+    last place (bf16: two results a hair apart in fp32 can round to neighbouring bf16 values)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return True
+    slack = 1e-5
+    if want.dtype == torch.bfloat16:
+        slack = slack + want.float().abs() * 2**-7
+    return bool(((got.float() - want.float()).abs() > slack).any())
 
 
 def _differs(what: str) -> bool:

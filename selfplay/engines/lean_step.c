@@ -10,8 +10,10 @@
  * position order, a cache line ahead; the (row, KV head) tasks are shared out by OpenMP, which
  * resolves to the libgomp that torch has already loaded (one thread pool, its threads hot).
  *
- * Layouts (fp32): queries [B, Hkv x G, D], rows `q_row_stride` apart (a view into the fused q/k/v
- * product will do); keys and values: row b, head h, position l at base + b * row_stride +
+ * Layouts: queries fp32 [B, Hkv x G, D], rows `q_row_stride` apart (a view into the fused q/k/v
+ * product will do); keys and values fp32 (attend_d64, attend_d128) or bf16 (attend_bf16_d64,
+ * attend_bf16_d128: each read widened to fp32, every sum in fp32), row b, head h, position l at
+ * base + b * row_stride +
  * h * head_stride + l * D (the engine's preallocated cache, any capacity); runs [B, R, 2] int32;
  * out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled scores: -inf where a
  * row attends to nothing, its output then zero); scratch: `threads` buffers `scratch_stride`
@@ -28,13 +30,53 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int i8 __attribute__((vector_size(32)));
+typedef unsigned short bf16; /* bfloat16's bits: the top half of a float's */
+typedef unsigned short u8x16 __attribute__((vector_size(16)));
+typedef unsigned u32x8 __attribute__((vector_size(32)));
 
 #define MAX_GROUP 16
 #define AHEAD 6 /* positions prefetched ahead */
+#define LINE 64 /* bytes a cache line */
 
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 static inline v8 load(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
 static inline void store(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+
+/* eight bf16 widened to fp32 (exact: a bf16 is a float's top 16 bits) */
+static inline v8 load_bf16(const bf16 *p) {
+  u8x16 h;
+  memcpy(&h, p, sizeof h);
+  i8 w = __builtin_convertvector(h, i8) << 16;
+  v8 r;
+  memcpy(&r, &w, sizeof r);
+  return r;
+}
+
+/* fp32 to bf16, rounded to nearest, ties to even (as torch's .to(torch.bfloat16)); NaN stays NaN */
+static inline bf16 to_bf16(float x) {
+  unsigned u;
+  memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+  return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* eight fp32 to bf16 as to_bf16 does each */
+static inline void store_bf16(bf16 *p, v8 x) {
+  u32x8 u;
+  memcpy(&u, &x, sizeof u);
+  u32x8 nan = (u32x8)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+  u32x8 up = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  u32x8 bits = (nan & ((u >> 16) | 0x40u)) | (~nan & up);
+  u8x16 h = __builtin_convertvector(bits, u8x16);
+  memcpy(p, &h, sizeof h);
+}
+
+static inline float from_bf16(bf16 x) {
+  unsigned u = (unsigned)x << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 static inline v8 pick(i8 when, v8 a, v8 b) {
   i8 ia, ib, r;
@@ -87,8 +129,8 @@ static void join(float *o, float *lse, const float *shared, const float *shared_
   }
 }
 
-#define DEFINE_ATTEND(D)                                                                          \
-  int attend_d##D(const float *q, long q_row_stride, const float *k, const float *v,              \
+#define DEFINE_ATTEND(NAME, D, KV, LOAD)                                                          \
+  int NAME(const float *q, long q_row_stride, const KV *k, const KV *v,                           \
                   const int *runs, int R, float *out, float *lse, int B, int H, int G,             \
                   long row_stride, long head_stride, float scale, float *scratch,                  \
                   long scratch_stride, int threads, const float *shared, const float *shared_lse,  \
@@ -98,8 +140,8 @@ static void join(float *o, float *lse, const float *shared, const float *shared_
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
     for (int t = 0; t < B * H; t++) {                                                            \
       int b = t / H, h = t % H;                                                                  \
-      const float *kb = k + b * row_stride + h * head_stride;                                    \
-      const float *vb = v + b * row_stride + h * head_stride;                                    \
+      const KV *kb = k + b * row_stride + h * head_stride;                                       \
+      const KV *vb = v + b * row_stride + h * head_stride;                                       \
       const int *rr = runs + (long)b * R * 2;                                                    \
       const float *qt = q + b * q_row_stride + (long)h * G * D;                                  \
       float *o = out + (long)t * G * D;                                                          \
@@ -119,10 +161,10 @@ static void join(float *o, float *lse, const float *shared, const float *shared_
       int i = 0;                                                                                 \
       for (int r = 0; r < R; r++) {                                                              \
         for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++, i++) {                                   \
-          const float *kl = kb + (long)l * D;                                                    \
-          for (int c = 0; c < D; c += 16) __builtin_prefetch(kl + AHEAD * D + c);                \
+          const KV *kl = kb + (long)l * D;                                                       \
+          for (int c = 0; c < D; c += LINE / sizeof(KV)) __builtin_prefetch(kl + AHEAD * D + c); \
           v8 kc[C];                                                                              \
-          for (int c = 0; c < C; c++) kc[c] = load(kl + 8 * c);                                 \
+          for (int c = 0; c < C; c++) kc[c] = LOAD(kl + 8 * c);                                  \
           for (int g = 0; g < G; g++) {                                                          \
             const float *qg = qt + g * D;                                                        \
             v8 acc = load(qg) * kc[0];                                                           \
@@ -151,10 +193,10 @@ static void join(float *o, float *lse, const float *shared, const float *shared_
       i = 0;                                                                                     \
       for (int r = 0; r < R; r++) {                                                              \
         for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++, i++) {                                   \
-          const float *vl = vb + (long)l * D;                                                    \
-          for (int c = 0; c < D; c += 16) __builtin_prefetch(vl + AHEAD * D + c);                \
+          const KV *vl = vb + (long)l * D;                                                       \
+          for (int c = 0; c < D; c += LINE / sizeof(KV)) __builtin_prefetch(vl + AHEAD * D + c); \
           v8 vc[C];                                                                              \
-          for (int c = 0; c < C; c++) vc[c] = load(vl + 8 * c);                                  \
+          for (int c = 0; c < C; c++) vc[c] = LOAD(vl + 8 * c);                                  \
           for (int g = 0; g < G; g++) {                                                          \
             v8 p = splat(s[g * padded + i]);                                                     \
             float *og = o + g * D;                                                               \
@@ -168,74 +210,111 @@ static void join(float *o, float *lse, const float *shared, const float *shared_
     return 0;                                                                                    \
   }
 
-DEFINE_ATTEND(64)
-DEFINE_ATTEND(128)
+DEFINE_ATTEND(attend_d64, 64, float, load)
+DEFINE_ATTEND(attend_d128, 128, float, load)
+DEFINE_ATTEND(attend_bf16_d64, 64, bf16, load_bf16)
+DEFINE_ATTEND(attend_bf16_d128, 128, bf16, load_bf16)
 
 /* ---- the step's element-wise work, one call each where torch runs several ops (one thread:
- * at a step's sizes the work is microseconds and a parallel region's wake-up costs more) ---- */
+ * at a step's sizes the work is microseconds and a parallel region's wake-up costs more). A step
+ * of a bf16 model keeps its residual stream, norms and rotary embedding in fp32 and hands its
+ * products bf16: the kernels below read and write either, a flag per tensor (1: bf16) ---- */
+
+static inline float get(const void *p, int is_bf16, long i) {
+  return is_bf16 ? from_bf16(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int is_bf16, long i, float x) {
+  if (is_bf16)
+    ((bf16 *)p)[i] = to_bf16(x);
+  else
+    ((float *)p)[i] = x;
+}
 
 /* h += delta (where delta is not NULL), then out = weight * h / sqrt(mean(h^2) + eps), per row of
- * `hidden` features (rows `stride` floats apart in h, delta and out) */
-void add_rms_norm(float *h, const float *delta, const float *weight, float eps, float *out,
-                  int rows, int hidden, long stride) {
+ * `hidden` features; h fp32 (rows `stride` floats apart), delta and out rows `stride` apart too */
+void add_rms_norm(float *h, const void *delta, int delta_bf16, const float *weight, float eps,
+                  void *out, int out_bf16, int rows, int hidden, long stride) {
   for (int r = 0; r < rows; r++) {
     float *x = h + r * stride;
-    float *y = out + r * stride;
-    const float *d = delta ? delta + r * stride : 0;
+    long at = r * stride;
     float sum = 0.f;
     for (int i = 0; i < hidden; i++) {
-      float a = d ? x[i] + d[i] : x[i];
+      float a = delta ? x[i] + get(delta, delta_bf16, at + i) : x[i];
       x[i] = a;
       sum += a * a;
     }
     float inv = 1.f / sqrtf(sum / hidden + eps);
-    for (int i = 0; i < hidden; i++) y[i] = weight[i] * (x[i] * inv);
+    for (int i = 0; i < hidden; i++) put(out, out_bf16, at + i, weight[i] * (x[i] * inv));
   }
 }
 
 /* out[r, i] = silu(gate[r, i]) * up[r, i], gate and up the two halves of each row of x
- * [rows, 2 x inter] */
-void silu_mul(const float *x, float *out, int rows, int inter) {
+ * [rows, 2 x inter]; x and out fp32, or both bf16 (widened, computed in fp32, rounded) */
+void silu_mul(const void *x, void *out, int rows, int inter, int is_bf16) {
   for (int r = 0; r < rows; r++) {
-    const float *g = x + (long)r * 2 * inter, *u = g + inter;
-    float *y = out + (long)r * inter;
+    long g0 = (long)r * 2 * inter, u0 = g0 + inter, y0 = (long)r * inter;
     int i = 0;
     for (; i + 8 <= inter; i += 8) {
-      v8 a = load(g + i);
+      v8 a, u;
+      if (is_bf16) {
+        a = load_bf16((const bf16 *)x + g0 + i);
+        u = load_bf16((const bf16 *)x + u0 + i);
+      } else {
+        a = load((const float *)x + g0 + i);
+        u = load((const float *)x + u0 + i);
+      }
       /* exp(-|a|) is exact for both signs: sigmoid(a) = 1 / (1 + e) or e / (1 + e) */
       v8 neg = pick(a > splat(0.f), -a, a);
       v8 e = exp_nonpositive(neg);
       v8 sig = pick(a > splat(0.f), splat(1.f) / (splat(1.f) + e), e / (splat(1.f) + e));
-      store(y + i, a * sig * load(u + i));
+      if (is_bf16)
+        store_bf16((bf16 *)out + y0 + i, a * sig * u);
+      else
+        store((float *)out + y0 + i, a * sig * u);
     }
-    for (; i < inter; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (; i < inter; i++) {
+      float a = get(x, is_bf16, g0 + i);
+      put(out, is_bf16, y0 + i, a / (1.f + expf(-a)) * get(x, is_bf16, u0 + i));
+    }
   }
 }
 
-/* the rotary embedding (rotate-half form) of each row of x (rows `stride` floats apart: q's
- * `heads` heads of `dim`, then k's `kv_heads`, then v's), at cos and sin [rows, dim]: q rotated in
- * place, k rotated into the key cache and v copied into the value cache, row b's KV head h at
- * column `column` of keys / values + b * row_stride + h * head_stride (column * dim floats in) */
-static inline void turn(const float *x, float *y, const float *c, const float *s, int dim) {
+/* the rotary embedding (rotate-half form) of each row of x (rows `stride` elements apart, fp32 or
+ * bf16: q's `heads` heads of `dim`, then k's `kv_heads`, then v's), at cos and sin [rows, dim]:
+ * q rotated into q_out (fp32, rows `q_stride` floats apart: x itself will do where x is fp32), k
+ * rotated into the key cache and v copied into the value cache (fp32 or bf16: `cache_bf16`), row
+ * b's KV head h at column `column` of keys / values + b * row_stride + h * head_stride (column *
+ * dim elements in) */
+static inline void turn(const void *x, int x_bf16, long from, float *y, const float *c,
+                        const float *s, int dim) {
   int half = dim / 2;
   for (int i = 0; i < half; i++) {
-    float a = x[i], b = x[i + half];
+    float a = get(x, x_bf16, from + i), b = get(x, x_bf16, from + i + half);
     y[i] = a * c[i] - b * s[i];
     y[i + half] = b * c[i + half] + a * s[i + half];
   }
 }
 
-void rotary_cache(float *x, const float *cos, const float *sin, int rows, int heads, int kv_heads,
-                  int dim, long stride, float *keys, float *values, long row_stride,
-                  long head_stride, long column) {
+void rotary_cache(const void *x, int x_bf16, float *q_out, long q_stride, const float *cos,
+                  const float *sin, int rows, int heads, int kv_heads, int dim, long stride,
+                  void *keys, void *values, int cache_bf16, long row_stride, long head_stride,
+                  long column) {
+  float k[256];
+  if (dim > 256) return;
   for (int r = 0; r < rows; r++) {
     const float *c = cos + (long)r * dim, *s = sin + (long)r * dim;
-    float *row = x + r * stride;
-    for (int h = 0; h < heads; h++) turn(row + (long)h * dim, row + (long)h * dim, c, s, dim);
+    long row = r * stride;
+    for (int h = 0; h < heads; h++)
+      turn(x, x_bf16, row + (long)h * dim, q_out + r * q_stride + (long)h * dim, c, s, dim);
     for (int h = 0; h < kv_heads; h++) {
       long at = r * row_stride + h * head_stride + column * dim;
-      turn(row + (long)(heads + h) * dim, keys + at, c, s, dim);
-      memcpy(values + at, row + (long)(heads + kv_heads + h) * dim, sizeof(float) * dim);
+      turn(x, x_bf16, row + (long)(heads + h) * dim, k, c, s, dim);
+      long v = row + (long)(heads + kv_heads + h) * dim;
+      for (int i = 0; i < dim; i++) {
+        put(keys, cache_bf16, at + i, k[i]);
+        put(values, cache_bf16, at + i, get(x, x_bf16, v + i));
+      }
     }
   }
 }
