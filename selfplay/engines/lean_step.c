@@ -5,26 +5,27 @@
  * once for its group of query heads.
  *
  * Per (row, KV head): the scores of the group's G queries against every position the row attends
- * to (given as runs [start, end) of positions, so padding and holes are never read), their
- * softmax, and the probabilities times the values. Keys and values stream through once, in
- * position order, a cache line ahead; the (row, KV head) tasks are shared out by OpenMP, which
- * resolves to the libgomp that torch has already loaded (one thread pool, its threads hot).
+ * to (the batch's shared prefix, read from row 0, then the row's own positions, given as runs
+ * [start, end) so padding and holes are never read), their softmax, and the probabilities times
+ * the values. Keys and values stream through once, in position order, a cache line ahead, four
+ * positions at a time (each score's sum reduced once for four); the prefix, the same for every
+ * row, stays in the core's cache after the first. The (row, KV head) tasks are shared out by
+ * OpenMP, which resolves to the libgomp that torch has already loaded (one thread pool, its
+ * threads hot).
  *
  * Layouts: queries fp32 [B, Hkv x G, D], rows `q_row_stride` apart (a view into the fused q/k/v
  * product will do); keys and values fp32 (attend_d64, attend_d128) or bf16 (attend_bf16_d64,
- * attend_bf16_d128: each read widened to fp32, every sum in fp32), row b, head h, position l at
- * base + b * row_stride +
- * h * head_stride + l * D (the engine's preallocated cache, any capacity); runs [B, R, 2] int32;
- * out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled scores: -inf where a
- * row attends to nothing, its output then zero); scratch: `threads` buffers `scratch_stride`
- * floats apart, each at least G x (positions + 8).
- *
- * Where `shared` is not NULL, each query's output and log-sum-exp over a shared prefix (the
- * cascade's, computed apart: query head j of row b at shared + b * shared_b + j * shared_h, its
- * log-sum-exp at shared_lse + b * lse_b + j * lse_h) are joined with the row's own by their
- * log-sum-exps: out = own + sigmoid(lse_shared - lse_own) (shared - own), lse their logaddexp.
+ * attend_bf16_d128: each read widened to fp32, every sum in fp32), row b, head h, own position l
+ * at base + b * row_stride + h * head_stride + l * D (the engine's preallocated cache, any
+ * capacity), prefix position l at kp / vp + h * head_stride + l * D (l < P; P = 0: none); runs
+ * [B, R, 2] int32; out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled
+ * scores: -inf where a row attends to nothing, its output then zero); scratch: `threads` buffers
+ * `scratch_stride` floats apart, each at least G x (P + own positions + 8).
  */
 #include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <string.h>
 
@@ -42,14 +43,20 @@ static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 static inline v8 load(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
 static inline void store(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 
-/* eight bf16 widened to fp32 (exact: a bf16 is a float's top 16 bits) */
+/* eight bf16 widened to fp32 (exact: a bf16 is a float's top 16 bits); with AVX2 one widening
+ * load and a shift (GCC's generic conversion splits it into halves) */
 static inline v8 load_bf16(const bf16 *p) {
+#ifdef __AVX2__
+  __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+  return (v8)_mm256_castsi256_ps(w);
+#else
   u8x16 h;
   memcpy(&h, p, sizeof h);
   i8 w = __builtin_convertvector(h, i8) << 16;
   v8 r;
   memcpy(&r, &w, sizeof r);
   return r;
+#endif
 }
 
 /* fp32 to bf16, rounded to nearest, ties to even (as torch's .to(torch.bfloat16)); NaN stays NaN */
@@ -114,106 +121,194 @@ static inline v8 exp_nonpositive(v8 x) {
   return p * scale;
 }
 
-/* join G outputs of `dim` (query heads first.. of row b) and their log-sum-exps with the shared
- * prefix's */
-static void join(float *o, float *lse, const float *shared, const float *shared_lse, int b,
-                 int first, int G, int dim, long shared_b, long shared_h, long lse_b, long lse_h) {
-  for (int g = 0; g < G; g++) {
-    const float *os = shared + b * shared_b + (first + g) * shared_h;
-    float ls = shared_lse[b * lse_b + (first + g) * lse_h], lo = lse[g];
-    float w = lo == -INFINITY ? 1.f : 1.f / (1.f + expf(lo - ls));
-    float *og = o + (long)g * dim;
-    for (int i = 0; i < dim; i++) og[i] += w * (os[i] - og[i]);
-    float top = lo > ls ? lo : ls;
-    lse[g] = top == -INFINITY ? top : top + logf(expf(lo - top) + expf(ls - top));
+/* positions a block of the score and value loops takes at once, and query heads a block of the
+ * score loop (its GB x KB sums stay in registers: 32 of them with AVX-512, 16 with AVX2) */
+#define KB 4
+#ifdef __AVX512F__
+#define GB 3
+#else
+#define GB 2
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE v8 load_kv(const void *p, long i, int is_bf16) {
+  return is_bf16 ? load_bf16((const bf16 *)p + i) : load((const float *)p + i);
+}
+
+INLINE void prefetch_kv(const void *p, long i, int D, int is_bf16) {
+  const char *at = (const char *)p + i * (is_bf16 ? 2 : 4);
+  for (int c = 0; c < D * (is_bf16 ? 2 : 4); c += LINE) __builtin_prefetch(at + c);
+}
+
+/* the four sums of a0..a3's lanes, into out[0..3] */
+INLINE void sum4(v8 a0, v8 a1, v8 a2, v8 a3, float *out) {
+#ifdef __AVX__
+  __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a0, (__m256)a1),
+                            _mm256_hadd_ps((__m256)a2, (__m256)a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  out[0] = total(a0), out[1] = total(a1), out[2] = total(a2), out[3] = total(a3);
+#endif
+}
+
+struct attend_args {
+  const float *q;
+  long q_row_stride;
+  const void *k, *v;
+  const int *runs;
+  int R;
+  float *out, *lse;
+  int H, G;
+  long row_stride, head_stride;
+  float scale;
+  float *scratch;
+  long scratch_stride;
+  const void *kp, *vp; /* the shared prefix's keys and values: row 0's, P positions */
+  int P;
+};
+
+/* scores s[g * padded + i] of the G queries qt against the positions of runs rr, from the i-th
+ * on: KB positions at once (GB queries' sums at a time, each reduced once), the rest one by one */
+INLINE void scores(int D, int is_bf16, const float *qt, const void *kb, const int *rr, int R,
+                   int G, float scale, float *s, int padded, int i) {
+  const int C = D / 8;
+  for (int r = 0; r < R; r++) {
+    int l = rr[2 * r], end = rr[2 * r + 1];
+    for (; l + KB <= end; l += KB, i += KB) {
+      for (int j = 0; j < KB; j++) prefetch_kv(kb, (long)(l + AHEAD + j) * D, D, is_bf16);
+      for (int g0 = 0; g0 < G; g0 += GB) {
+        v8 acc[GB][KB];
+        for (int g = 0; g < GB; g++)
+          for (int j = 0; j < KB; j++) acc[g][j] = splat(0.f);
+        for (int c = 0; c < C; c++) {
+          v8 kc[KB];
+          for (int j = 0; j < KB; j++) kc[j] = load_kv(kb, (long)(l + j) * D + 8 * c, is_bf16);
+          for (int g = 0; g < GB; g++) {
+            /* a block past the last query repeats it (its sums are not kept) */
+            v8 qv = load(qt + (g0 + g < G ? g0 + g : G - 1) * D + 8 * c);
+            for (int j = 0; j < KB; j++) acc[g][j] += qv * kc[j];
+          }
+        }
+        for (int g = 0; g < GB && g0 + g < G; g++) {
+          float *sg = s + (g0 + g) * padded + i;
+          sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], sg);
+          for (int j = 0; j < KB; j++) sg[j] *= scale;
+        }
+      }
+    }
+    for (; l < end; l++, i++) {
+      v8 kc[16];
+      for (int c = 0; c < C; c++) kc[c] = load_kv(kb, (long)l * D + 8 * c, is_bf16);
+      for (int g = 0; g < G; g++) {
+        const float *qg = qt + g * D;
+        v8 acc = load(qg) * kc[0];
+        for (int c = 1; c < C; c++) acc += load(qg + 8 * c) * kc[c];
+        s[g * padded + i] = total(acc) * scale;
+      }
+    }
   }
 }
 
-#define DEFINE_ATTEND(NAME, D, KV, LOAD)                                                          \
-  int NAME(const float *q, long q_row_stride, const KV *k, const KV *v,                           \
-                  const int *runs, int R, float *out, float *lse, int B, int H, int G,             \
-                  long row_stride, long head_stride, float scale, float *scratch,                  \
-                  long scratch_stride, int threads, const float *shared, const float *shared_lse,  \
-                  long shared_b, long shared_h, long lse_b, long lse_h) {                          \
-    enum { C = D / 8 };                                                                          \
+/* o[g] += s[g * padded + i] x value of the position the i-th score is of (from the i-th on, at
+ * the positions of runs rr), KB positions at once */
+INLINE void values(int D, int is_bf16, const void *vb, const int *rr, int R, int G,
+                   const float *s, int padded, float *o, int i) {
+  const int C = D / 8;
+  for (int r = 0; r < R; r++) {
+    int l = rr[2 * r], end = rr[2 * r + 1];
+    for (; l + KB <= end; l += KB, i += KB) {
+      for (int j = 0; j < KB; j++) prefetch_kv(vb, (long)(l + AHEAD + j) * D, D, is_bf16);
+      for (int c = 0; c < C; c++) {
+        v8 vc[KB];
+        for (int j = 0; j < KB; j++) vc[j] = load_kv(vb, (long)(l + j) * D + 8 * c, is_bf16);
+        for (int g = 0; g < G; g++) {
+          const float *p = s + g * padded + i;
+          float *og = o + g * D + 8 * c;
+          v8 acc = load(og);
+          for (int j = 0; j < KB; j++) acc += splat(p[j]) * vc[j];
+          store(og, acc);
+        }
+      }
+    }
+    for (; l < end; l++, i++) {
+      for (int c = 0; c < C; c++) {
+        v8 vc = load_kv(vb, (long)l * D + 8 * c, is_bf16);
+        for (int g = 0; g < G; g++) {
+          float *og = o + g * D + 8 * c;
+          store(og, load(og) + splat(s[g * padded + i]) * vc);
+        }
+      }
+    }
+  }
+}
+
+/* one (row, KV head) task: the scores over the shared prefix and the row's own positions, their
+ * softmax (and log-sum-exp), the values */
+INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) {
+  int G = a->G, P = a->P, b = t / a->H, h = t % a->H, size = is_bf16 ? 2 : 4;
+  const int *rr = a->runs + (long)b * a->R * 2;
+  const int prefix[2] = {0, P};
+  long at = b * a->row_stride + h * a->head_stride;
+  const void *kb = (const char *)a->k + at * size, *vb = (const char *)a->v + at * size;
+  const void *kp = (const char *)a->kp + h * a->head_stride * size;
+  const void *vp = (const char *)a->vp + h * a->head_stride * size;
+  const float *qt = a->q + b * a->q_row_stride + (long)h * G * D;
+  float *o = a->out + (long)t * G * D, *lse = a->lse + (long)t * G;
+  float *s = a->scratch + a->scratch_stride * omp_get_thread_num();
+  int width = P;
+  for (int r = 0; r < a->R; r++) width += rr[2 * r + 1] - rr[2 * r];
+  memset(o, 0, sizeof(float) * G * D);
+  if (width <= 0) {
+    for (int g = 0; g < G; g++) lse[g] = -INFINITY;
+    return;
+  }
+  int padded = (width + 7) & ~7;
+  if (P) scores(D, is_bf16, qt, kp, prefix, 1, G, a->scale, s, padded, 0);
+  scores(D, is_bf16, qt, kb, rr, a->R, G, a->scale, s, padded, P);
+  for (int g = 0; g < G; g++) {
+    float *sg = s + g * padded;
+    for (int j = width; j < padded; j++) sg[j] = -INFINITY;
+    v8 most = splat(-INFINITY);
+    for (int j = 0; j < padded; j += 8) {
+      v8 x = load(sg + j);
+      most = pick(x > most, x, most);
+    }
+    float top = most[0];
+    for (int j = 1; j < 8; j++) top = most[j] > top ? most[j] : top;
+    v8 sum = splat(0.f);
+    for (int j = 0; j < padded; j += 8) {
+      v8 x = load(sg + j);
+      v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top)));
+      store(sg + j, e);
+      sum += e;
+    }
+    float all = total(sum), inv = 1.f / all;
+    for (int j = 0; j < width; j++) sg[j] *= inv;
+    lse[g] = top + logf(all);
+  }
+  if (P) values(D, is_bf16, vp, prefix, 1, G, s, padded, o, 0);
+  values(D, is_bf16, vb, rr, a->R, G, s, padded, o, P);
+}
+
+#define DEFINE_ATTEND(NAME, D, IS_BF16)                                                           \
+  int NAME(const float *q, long q_row_stride, const void *k, const void *v, const int *runs,      \
+           int R, float *out, float *lse, int B, int H, int G, long row_stride, long head_stride, \
+           float scale, float *scratch, long scratch_stride, int threads, const void *kp,         \
+           const void *vp, int P) {                                                               \
     if (G < 1 || G > MAX_GROUP) return 1;                                                        \
+    struct attend_args a = {q,     q_row_stride, k,       v,       runs,           R,            \
+                            out,   lse,          H,       G,       row_stride,     head_stride,  \
+                            scale, scratch,      scratch_stride,   kp, vp, P};                   \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
-    for (int t = 0; t < B * H; t++) {                                                            \
-      int b = t / H, h = t % H;                                                                  \
-      const KV *kb = k + b * row_stride + h * head_stride;                                       \
-      const KV *vb = v + b * row_stride + h * head_stride;                                       \
-      const int *rr = runs + (long)b * R * 2;                                                    \
-      const float *qt = q + b * q_row_stride + (long)h * G * D;                                  \
-      float *o = out + (long)t * G * D;                                                          \
-      float *s = scratch + scratch_stride * omp_get_thread_num();                                \
-      int width = 0;                                                                             \
-      for (int r = 0; r < R; r++) width += rr[2 * r + 1] - rr[2 * r];                            \
-      if (width <= 0) {                                                                          \
-        memset(o, 0, sizeof(float) * G * D);                                                     \
-        for (int g = 0; g < G; g++) lse[(long)t * G + g] = -INFINITY;                            \
-        if (shared) join(o, lse + (long)t * G, shared, shared_lse, b, h * G, G, D, shared_b,    \
-                         shared_h, lse_b, lse_h);                                                \
-        continue;                                                                                \
-      }                                                                                          \
-      int padded = (width + 7) & ~7;                                                             \
-      float top[MAX_GROUP];                                                                      \
-      for (int g = 0; g < G; g++) top[g] = -INFINITY;                                            \
-      int i = 0;                                                                                 \
-      for (int r = 0; r < R; r++) {                                                              \
-        for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++, i++) {                                   \
-          const KV *kl = kb + (long)l * D;                                                       \
-          for (int c = 0; c < D; c += LINE / sizeof(KV)) __builtin_prefetch(kl + AHEAD * D + c); \
-          v8 kc[C];                                                                              \
-          for (int c = 0; c < C; c++) kc[c] = LOAD(kl + 8 * c);                                  \
-          for (int g = 0; g < G; g++) {                                                          \
-            const float *qg = qt + g * D;                                                        \
-            v8 acc = load(qg) * kc[0];                                                           \
-            for (int c = 1; c < C; c++) acc += load(qg + 8 * c) * kc[c];                         \
-            float x = total(acc) * scale;                                                        \
-            s[g * padded + i] = x;                                                               \
-            top[g] = x > top[g] ? x : top[g];                                                    \
-          }                                                                                      \
-        }                                                                                        \
-      }                                                                                          \
-      for (int g = 0; g < G; g++) {                                                              \
-        float *sg = s + g * padded;                                                              \
-        for (int j = width; j < padded; j++) sg[j] = -INFINITY;                                  \
-        v8 sum = splat(0.f);                                                                     \
-        for (int j = 0; j < padded; j += 8) {                                                    \
-          v8 x = load(sg + j);                                                                   \
-          v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top[g])));    \
-          store(sg + j, e);                                                                      \
-          sum += e;                                                                              \
-        }                                                                                        \
-        float all = total(sum), inv = 1.f / all;                                                 \
-        for (int j = 0; j < width; j++) sg[j] *= inv;                                            \
-        lse[(long)t * G + g] = top[g] + logf(all);                                               \
-        memset(o + g * D, 0, sizeof(float) * D);                                                 \
-      }                                                                                          \
-      i = 0;                                                                                     \
-      for (int r = 0; r < R; r++) {                                                              \
-        for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++, i++) {                                   \
-          const KV *vl = vb + (long)l * D;                                                       \
-          for (int c = 0; c < D; c += LINE / sizeof(KV)) __builtin_prefetch(vl + AHEAD * D + c); \
-          v8 vc[C];                                                                              \
-          for (int c = 0; c < C; c++) vc[c] = LOAD(vl + 8 * c);                                  \
-          for (int g = 0; g < G; g++) {                                                          \
-            v8 p = splat(s[g * padded + i]);                                                     \
-            float *og = o + g * D;                                                               \
-            for (int c = 0; c < C; c++) store(og + 8 * c, load(og + 8 * c) + p * vc[c]);         \
-          }                                                                                      \
-        }                                                                                        \
-      }                                                                                          \
-      if (shared) join(o, lse + (long)t * G, shared, shared_lse, b, h * G, G, D, shared_b,      \
-                       shared_h, lse_b, lse_h);                                                  \
-    }                                                                                            \
+    for (int t = 0; t < B * H; t++) attend_task(D, IS_BF16, t, &a);                              \
     return 0;                                                                                    \
   }
 
-DEFINE_ATTEND(attend_d64, 64, float, load)
-DEFINE_ATTEND(attend_d128, 128, float, load)
-DEFINE_ATTEND(attend_bf16_d64, 64, bf16, load_bf16)
-DEFINE_ATTEND(attend_bf16_d128, 128, bf16, load_bf16)
+DEFINE_ATTEND(attend_d64, 64, 0)
+DEFINE_ATTEND(attend_d128, 128, 0)
+DEFINE_ATTEND(attend_bf16_d64, 64, 1)
+DEFINE_ATTEND(attend_bf16_d128, 128, 1)
 
 /* ---- the step's element-wise work, one call each where torch runs several ops (one thread:
  * at a step's sizes the work is microseconds and a parallel region's wake-up costs more). A step
