@@ -195,7 +195,8 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
         # positions read: rows x own width per step, plus each cascaded step's shared once
         own = max(1, round((engine.decode_kv_by_rows[rows] - shared_sum) / (rows * steps)))
         width = own + shared
-        q = torch.randn(rows, heads, 1, dim).to(dtype)
+        # the lean step's queries are fp32 whatever the model's dtype (its KV cache is that dtype)
+        q = torch.randn(rows, heads, 1, dim).to(torch.float32 if lean is not None else dtype)
         kvs = []
         for _ in range(layers_n):
             k, v = torch.randn(2, rows, kv_heads, width, dim).to(dtype)
@@ -210,6 +211,7 @@ def attention_seconds(engine, dtype, repeats: int = 3) -> float:
         def attend(q, k, v, mask, shared=shared, cut=cut, runs=runs):
             if lib is not None:
                 return hf_native.attention(lib, q, k, v, runs, None, shared)
+            q = q.to(k.dtype)  # torch's kernels run in the cache's dtype (as the lean step's)
             if shared:
                 prefix = hf_cpu.SharedPrefix(shared)
                 return hf_cpu.cascade_decode_attention(q, k, v, mask, None, prefix)

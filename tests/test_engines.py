@@ -964,11 +964,25 @@ def test_preallocated_layer_moves_rows_into_holes_and_keeps_the_rest():
     assert layer.keys.shape == (3, 2, 5, 3) and torch.equal(layer.keys[:, :, :4], keys[[3, 1, 4]])
 
 
+def _span_copies() -> list:
+    """The KV copies to test: torch's slice copies (None), and the compiled span copy where this
+    machine builds the kernels."""
+    from selfplay.engines import hf_native
+
+    copy = hf_native.span_copy()
+    return [None] if copy is None else [None, copy]
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.booleans(), min_size=1, max_size=24).filter(any), st.integers(0, 2))
-def test_a_rows_kv_is_its_real_columns_in_order_pads_and_holes_dropped(mask, row):
+@given(
+    st.lists(st.booleans(), min_size=1, max_size=24).filter(any),
+    st.integers(0, 2),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_a_rows_kv_is_its_real_columns_in_order_pads_and_holes_dropped(mask, row, dtype):
     """A finished row's KV for the prefix cache: its columns under mask 1, in order, every
-    layer, as a new tensor (the batch's room may be reused)."""
+    layer, as a new tensor (the batch's room may be reused); by torch's slice copies and by the
+    compiled span copy alike."""
     from transformers import Cache
 
     from selfplay.engines.hf_kv import PreallocatedLayer, real_runs, row_kv
@@ -976,14 +990,57 @@ def test_a_rows_kv_is_its_real_columns_in_order_pads_and_holes_dropped(mask, row
     width = len(mask)
     cache = Cache(layers=[PreallocatedLayer(width + 2) for _ in range(2)])
     for i, layer in enumerate(cache.layers):
-        keys = torch.randn(3, 2, width, 4, generator=torch.Generator().manual_seed(i))
+        keys = torch.randn(3, 2, width, 4, generator=torch.Generator().manual_seed(i)).to(dtype)
         layer.update(keys, keys + 100)
     attn = torch.tensor(mask, dtype=torch.long)
     real = [i for i, m in enumerate(mask) if m]
     assert [i for start, end in real_runs(attn) for i in range(start, end)] == real
-    got = row_kv(cache, row, attn)
     want = torch.stack(
         [torch.stack((la.keys[row][:, real], la.values[row][:, real])) for la in cache.layers]
     )
-    assert torch.equal(got, want)
-    assert got.untyped_storage().data_ptr() != cache.layers[0]._keys.untyped_storage().data_ptr()
+    for copy in _span_copies():
+        got = row_kv(cache, row, attn, copy)
+        assert torch.equal(got, want)
+        storage = got.untyped_storage().data_ptr()
+        assert storage != cache.layers[0]._keys.untyped_storage().data_ptr()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.one_of(st.none(), st.integers(0, 9)), min_size=1, max_size=5).filter(
+        lambda xs: any(x is not None for x in xs)
+    ),
+    st.integers(0, 3),
+    st.booleans(),
+)
+def test_a_batch_cache_of_kept_rows_is_the_same_by_either_copy(extra, keep, sliced):
+    """The batch cache a prefill builds from kept KV (``padded_layers``): each row's shared
+    first ``keep`` columns, zeros, then the rest of its kept columns right-aligned to ``past``
+    (a row with nothing kept: zeros), every layer; the compiled span copy's the same as torch's
+    slice copies, from whole entries and from entries cut short (``PrefixCache.take``'s views)."""
+    from selfplay.engines.hf_kv import padded_layers
+
+    g = torch.Generator().manual_seed(len(extra) + keep)
+    kept = []
+    for n in extra:
+        if n is None:
+            kept.append(None)
+            continue
+        kv = torch.randn(3, 2, 2, keep + n + 2, 4, generator=g)  # [layers, 2, heads, tokens, dim]
+        kept.append(kv[..., : keep + n + (0 if sliced else 2), :])
+    past = max(kv.shape[-2] for kv in kept if kv is not None)
+    built = [padded_layers(kept, past, past + 3, keep, copy) for copy in _span_copies()]
+    for layers in built:
+        assert len(layers) == 3
+        for i, layer in enumerate(layers):
+            assert layer.keys.shape == (len(kept), 2, past, 4) and layer.capacity == past + 3
+            for b, kv in enumerate(kept):
+                for j, room in enumerate((layer.keys[b], layer.values[b])):
+                    part = None if kv is None else kv[i, j]
+                    if part is None:
+                        assert (room == 0).all()
+                        continue
+                    start = past - (part.shape[-2] - keep)
+                    assert torch.equal(room[:, :keep], part[:, :keep])
+                    assert (room[:, keep:start] == 0).all()
+                    assert torch.equal(room[:, start:], part[:, keep:])

@@ -24,6 +24,7 @@ from selfplay.engines import (
     GenerationRequest,
     HFEngineConfig,
     hf_cpu,
+    hf_native,
     hf_step,
 )
 from selfplay.engines.batching import Batcher, Reply
@@ -190,7 +191,8 @@ class DecodeLoop(Prefill):
                 continue
             if self.prefix_cache is not None:
                 fed = (*run.requests[row].prompt_ids, *run.out_ids[row][:-1])
-                self.prefix_cache.put(fed, row_kv(run.cache, b, run.attn[b]))
+                kv = row_kv(run.cache, b, run.attn[b], hf_native.span_copy())
+                self.prefix_cache.put(fed, kv)
             self._finish(row, run.requests, run.replies, run.out_ids, run.out_lp, reason)
             run.active[b] = -1
         run.tok = tok

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache, DynamicLayer
 
 from selfplay.hardware import available_memory
 
 log = logging.getLogger(__name__)
+
+# copy(src, dst, bytes): int64 arrays of addresses and sizes, each span copied (src 0: zeroed)
+SpanCopy = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 def pad_left(x: torch.Tensor, width: int, *, dim: int, keep: int = 0) -> torch.Tensor:
@@ -258,13 +262,29 @@ class PreallocatedLayer(DynamicLayer):
             self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
 
 
-def row_kv(cache, b: int, attn_row):
+def row_kv(cache, b: int, attn_row, copy: SpanCopy | None = None):
     """Batch row ``b``'s KV over its real tokens (mask 1), pads and holes dropped: a new tensor
-    ``[layers, 2, kv heads, tokens, head dim]`` that does not hold the batch cache alive."""
+    ``[layers, 2, kv heads, tokens, head dim]`` that does not hold the batch cache alive.
+    ``copy``: a span copy (``hf_native.span_copy``) that does it in one call, where the cache's
+    layers are the engine's own."""
     runs = real_runs(attn_row)
     first = cache.layers[0].keys
     tokens = sum(end - start for start, end in runs)
-    out = first.new_empty((len(cache.layers), 2, first.shape[1], tokens, first.shape[-1]))
+    heads, dim = first.shape[1], first.shape[-1]
+    out = first.new_empty((len(cache.layers), 2, heads, tokens, dim))
+    rooms = _rooms(cache.layers)
+    if copy is not None and rooms is not None and tokens:
+        size, (row, head) = first.element_size(), rooms[1]
+        starts, ends = np.array(runs, dtype=np.int64).T
+        at = np.concatenate([[0], np.cumsum(ends - starts)[:-1]])
+        # spans over (layer, key / value, head, run), in out's order
+        base = rooms[0][:, :, None, None] + b * row + np.arange(heads)[:, None] * head
+        src = base + starts * dim * size
+        layer_kv_head = np.arange(src.shape[0] * 2 * heads).reshape(src.shape[:3])[..., None]
+        dst = out.data_ptr() + (layer_kv_head * tokens + at) * dim * size
+        nbytes = np.broadcast_to((ends - starts) * dim * size, src.shape)
+        copy(src.ravel(), dst.ravel(), nbytes.ravel())
+        return out
     for layer, room in zip(cache.layers, out):
         at = 0
         for start, end in runs:  # a row's real tokens are a few runs: slices, not a gather
@@ -272,6 +292,80 @@ def row_kv(cache, b: int, attn_row):
             room[1, :, at : at + end - start] = layer.values[b, :, start:end]
             at += end - start
     return out
+
+
+def padded_layers(
+    kept: list[torch.Tensor | None],
+    past: int,
+    capacity: int,
+    keep: int,
+    copy: SpanCopy | None = None,
+) -> list[PreallocatedLayer]:
+    """The layers of a batch cache holding each row's kept KV (an entry ``[layers, 2, kv
+    heads, tokens, head dim]``; None: nothing kept) as ``PreallocatedLayer.padded`` lays it
+    out, room for ``capacity`` tokens; with ``copy`` (``hf_native.span_copy``) every layer's
+    copies and zeros in one call."""
+    some = next(kv for kv in kept if kv is not None)
+    layers_n, _, heads, _, dim = some.shape
+    size = some.element_size()
+    plain = all(kv is None or (kv.stride(-1) == 1 and kv.stride(-2) == dim) for kv in kept)
+    if copy is None or not plain:
+        return [
+            PreallocatedLayer.padded(
+                [None if kv is None else kv[i] for kv in kept], some[i], past, capacity, keep
+            )
+            for i in range(layers_n)
+        ]
+    layers = []
+    for _ in range(layers_n):
+        layer = PreallocatedLayer(capacity)
+        shape = (len(kept), heads, capacity, dim)
+        layer.lazy_initialization(some[0, 0], some[0, 1])
+        layer._keys, layer._values = some.new_empty(shape), some.new_empty(shape)
+        layer.keys, layer.values = layer._keys[..., :past, :], layer._values[..., :past, :]
+        layers.append(layer)
+    (bases, (row, head)) = _rooms(layers)
+    spans: list[np.ndarray] = []  # (src, dst, bytes) columns; src 0: zeros
+    width = dim * size
+    for i, kv in enumerate(kept):
+        dst = bases[:, :, None] + i * row + np.arange(heads) * head  # [layers, 2, heads]
+        if kv is None:
+            if past:
+                spans.append(np.stack(np.broadcast_arrays(0, dst, past * width), -1).reshape(-1, 3))
+            continue
+        start = past - (kv.shape[-2] - keep)  # where its columns after ``keep`` go
+        along = [np.arange(n).reshape([-1] + [1] * (2 - k)) for k, n in enumerate(dst.shape)]
+        src = kv.data_ptr() + sum(a * st * size for a, st in zip(along, kv.stride()[:3]))
+        for s, d, n in ((src, dst, keep), (0, dst + keep * width, start - keep),
+                        (src + keep * width, dst + start * width, past - start)):  # fmt: skip
+            if n > 0:
+                spans.append(np.stack(np.broadcast_arrays(s, d, n * width), -1).reshape(-1, 3))
+    if spans:
+        table = np.concatenate(spans)
+        copy(*(np.ascontiguousarray(table[:, k]) for k in range(3)))
+    return layers
+
+
+def _rooms(layers) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """The addresses of ``layers``' key and value rooms (``[layers, 2]``) and their row and head
+    strides in bytes, where every layer is a ``PreallocatedLayer`` with contiguous rooms of one
+    shape and dtype; None otherwise."""
+    first = layers[0]._keys if isinstance(layers[0], PreallocatedLayer) else None
+    if first is None:
+        return None
+    for layer in layers:
+        if not (
+            isinstance(layer, PreallocatedLayer)
+            and layer._keys is not None
+            and all(
+                room.is_contiguous() and room.shape == first.shape and room.dtype == first.dtype
+                for room in (layer._keys, layer._values)
+            )
+        ):
+            return None
+    bases = np.array([[x._keys.data_ptr(), x._values.data_ptr()] for x in layers], dtype=np.int64)
+    size = first.element_size()
+    return bases, (first.stride(0) * size, first.stride(1) * size)
 
 
 def real_runs(attn_row: torch.Tensor) -> list[tuple[int, int]]:

@@ -48,8 +48,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from selfplay.engines.hf_kv import PreallocatedLayer
@@ -61,6 +63,9 @@ log = logging.getLogger(__name__)
 NATIVE_ATTENTION = True
 # True: the lean step's element-wise work runs the kernels where built; read at call time
 NATIVE_ELEMENTWISE = True
+# True: the KV cache's copies (a finished row's out, kept rows' into a batch) run the kernel's
+# span copy where built (``span_copy``); read at call time
+NATIVE_COPY = True
 SOURCE = Path(__file__).with_name("lean_step.c")
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
@@ -117,7 +122,8 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
     loaded.add_rms_norm.argtypes = [p, p, i, p, f, p, i, i, i, n]
     loaded.silu_mul.argtypes = [p, p, i, i, i]
     loaded.rotary_cache.argtypes = [p, i, p, n, p, p, i, i, i, i, n, p, p, i, n, n, n]
-    for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary_cache):
+    loaded.copy_spans.argtypes = [p, p, p, n, i]
+    for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary_cache, loaded.copy_spans):
         fn.restype = None
     return loaded
 
@@ -281,6 +287,23 @@ def rotary_cache(lib, x, cos, sin, heads, kv_heads, layer) -> torch.Tensor | Non
     return q
 
 
+def copy_spans(lib, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (zero them where ``src[i]``
+    is 0), every span at once on torch's threads."""
+    src, dst, nbytes = (np.ascontiguousarray(x, dtype=np.int64) for x in (src, dst, nbytes))
+    lib.copy_spans(
+        src.ctypes.data, dst.ctypes.data, nbytes.ctypes.data, len(src), torch.get_num_threads()
+    )
+
+
+def span_copy() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+    """The KV cache's span copy (``copy_spans`` on this process's kernels) for ``hf_kv``'s
+    ``row_kv`` and ``padded_layers``, or None (they run torch's slice copies) where the kernels
+    are off."""
+    lib = kernel() if NATIVE_COPY else None
+    return None if lib is None else functools.partial(copy_spans, lib)
+
+
 def agrees(lib) -> bool:
     """Whether the kernels agree with torch on random inputs: the attention's output and
     log-sum-exp of torch's flash kernel on a batch (rows left-padded, one with a hole, in a
@@ -291,7 +314,19 @@ def agrees(lib) -> bool:
     k and v written into the cache's next column), in fp32 and with bf16 inputs and outputs.
     Within 1e-5, and a bf16 result within its rounding (one unit in its last place)."""
     g = torch.Generator().manual_seed(0)
-    return _attention_agrees(lib, g) and all(_elementwise_agrees(lib, g, dtype) for dtype in _BF16)
+    if not (
+        _attention_agrees(lib, g) and all(_elementwise_agrees(lib, g, dtype) for dtype in _BF16)
+    ):
+        return False
+    x = torch.randn(3, 40, generator=g)
+    got = torch.full_like(x, 7.0)
+    at = [t.data_ptr() + 4 * np.array([0, 50, 95]) for t in (x, got)]
+    copy_spans(lib, at[0] * [1, 0, 1], at[1], 4 * np.array([30, 10, 25]))
+    want = torch.full_like(x, 7.0).view(-1)
+    want[:30], want[50:60], want[95:120] = x.view(-1)[:30], 0, x.view(-1)[95:120]
+    if _off_by(got.view(-1), want):
+        return _differs("copy_spans copies otherwise")
+    return True
 
 
 def _attention_agrees(lib, g: torch.Generator) -> bool:

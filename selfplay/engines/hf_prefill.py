@@ -46,9 +46,15 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, DynamicCache
 
-from selfplay.engines import hf_cpu
+from selfplay.engines import hf_cpu, hf_native
 from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX
-from selfplay.engines.hf_kv import PreallocatedLayer, PrefixCache, kv_length, row_kv
+from selfplay.engines.hf_kv import (
+    PreallocatedLayer,
+    PrefixCache,
+    kv_length,
+    padded_layers,
+    row_kv,
+)
 
 # Shorter common prefixes are not worth a pass of their own, nor are long rows prefilled apart
 # if that spares the others fewer padded positions.
@@ -127,7 +133,8 @@ class Prefill:
     ) -> list[torch.Tensor]:
         """Each sequence's KV over all its tokens (one pass, its kept KV reused)."""
         cache, _, attn, _, _ = self._forward(seqs, kept, 0)
-        return [row_kv(cache, b, attn[b]) for b in range(len(seqs))]
+        copy = hf_native.span_copy()
+        return [row_kv(cache, b, attn[b], copy) for b in range(len(seqs))]
 
     def _share_prefixes(
         self, prompts: list[tuple[int, ...]], kept: list[torch.Tensor | None]
@@ -179,15 +186,7 @@ class Prefill:
             return DynamicCache(config=self.model.config)
         if not past:
             return Cache(layers=[PreallocatedLayer(capacity) for _ in range(self._cache_layers)])
-        some = next(kv for kv in kept if kv is not None)
-        return Cache(
-            layers=[
-                PreallocatedLayer.padded(
-                    [None if kv is None else kv[i] for kv in kept], some[i], past, capacity, shared
-                )
-                for i in range(self._cache_layers)
-            ]
-        )
+        return Cache(layers=padded_layers(kept, past, capacity, shared, hf_native.span_copy()))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

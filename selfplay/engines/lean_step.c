@@ -413,3 +413,16 @@ void rotary_cache(const void *x, int x_bf16, float *q_out, long q_stride, const 
     }
   }
 }
+
+/* ---- the KV cache's copies: a finished row's KV out of the batch, kept rows' KV into a new
+ * batch. Spans of bytes, each copied (src[i] not 0) or zeroed (src[i] 0), shared out by OpenMP:
+ * one call where torch ran a slice assignment per layer, head and run ---- */
+void copy_spans(const long *src, const long *dst, const long *bytes, long n, int threads) {
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads)
+  for (long i = 0; i < n; i++) {
+    if (src[i])
+      memcpy((void *)dst[i], (const void *)src[i], (size_t)bytes[i]);
+    else
+      memset((void *)dst[i], 0, (size_t)bytes[i]);
+  }
+}
