@@ -124,6 +124,11 @@ def test_the_hf_engine_loads_in_the_dtype_the_rule_picks(cpu, tiny_model, monkey
     one = HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu", cpu_threads=more))
     assert one.dtype == "fp32" and len(orjson.loads(hf_dtype.choices_path().read_bytes())) == 2
     assert not timings
+    # the engine's paths changed (a release's): its verdicts are measured again
+    monkeypatch.setattr(hf_dtype, "ENGINE_PATHS", hf_dtype.ENGINE_PATHS + 1)
+    timings.append({"fp32": 1.0, "bf16": 1.5})
+    assert HFEngine(HFEngineConfig(model=str(tiny_model), device="cpu")).dtype == "fp32"
+    assert not timings and len(orjson.loads(hf_dtype.choices_path().read_bytes())) == 3
     # a verdict that is not a dtype is measured again
     kept = orjson.loads(hf_dtype.choices_path().read_bytes())
     hf_dtype.choices_path().write_bytes(orjson.dumps({k: {"dtype": "fp16"} for k in kept}))

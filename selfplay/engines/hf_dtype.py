@@ -1,15 +1,17 @@
 """The hf engine's dtype on a CPU with native bf16: chosen by measurement, not by the flags alone.
 
 ``selfplay.hardware`` picks bf16 wherever the processor computes it natively, and that holds for
-training and for a GPU. For generation on a CPU it does not always: the engine's fast decoding
-path (``hf_step.LeanDecode``, the weight-major products, the cascade attention) is fp32, and
-attention at decoding shapes is slower in bf16. On an AVX-512 BF16 CPU 16 games generated
-1.2-1.65x faster in fp32 than in bf16 (issue 50); with AMX, bf16 generated 2.1x faster. So where
-the engine's dtype is ``auto``, the device a CPU and the CPU native in bf16, the engine times a
-short batch of its own work (prefill and decoding steps of the same model) in each dtype, in
-turn, and runs in the faster; fp32 unless bf16 is faster by ``MARGIN``. The verdict is kept in
-``$SELFPLAY_CACHE/engine-dtype.json`` under the CPU, its thread count, torch's version and the
-model's shapes, so a machine measures once per model shape.
+training and for a GPU. For generation on a CPU it does not always: which dtype generates faster
+depends on the CPU's bf16 products against its fp32 ones and on the engine's paths in each. On
+an AVX-512 BF16 CPU 16 games generated 1.2-1.65x faster in fp32 than in bf16 while the lean
+decoding step (``hf_step.LeanDecode``) was fp32 only (issue 50); with it in bf16 too, this
+module's timed batch there took fp32 4.44 s and bf16 2.44 s; with AMX, bf16 generated 2.1x
+faster. So where the engine's dtype is ``auto``, the device a CPU and the CPU native in bf16,
+the engine times a short batch of its own work (prefill and decoding steps of the same model) in
+each dtype, in turn, and runs in the faster; fp32 unless bf16 is faster by ``MARGIN``. The
+verdict is kept in ``$SELFPLAY_CACHE/engine-dtype.json`` under the CPU, its thread count,
+torch's version, the engine's paths and the model's shapes, so a machine measures once per model
+shape.
 
 Elsewhere (an explicit dtype, a GPU, a CPU without native bf16) the rule of
 ``selfplay.hardware.resolve_dtype`` stands, and nothing is measured.
@@ -52,6 +54,9 @@ MARGIN = 0.95
 # A round's decoding steps are a third or more of its time, as in a game's turns (whose prompts
 # are mostly kept KV): on the AVX2 EPYC (2 cores) a fp32 round of SmolLM2-135M took 6.6 s.
 ROWS, PROMPT, DECODE, ROUNDS = 16, 128, 24, 2
+# the engine's paths in each dtype, counted: a verdict measured before they changed is measured
+# again (2: the lean decoding step covers bf16 models)
+ENGINE_PATHS = 2
 # the shape fields of a model's config that its speed depends on
 SHAPE_FIELDS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -127,8 +132,9 @@ def read_choices(path: Path) -> dict:
 
 def choice_key(config: dict, threads: int) -> str:
     """What a verdict holds for: this CPU (its model name and instruction flags), its threads,
-    torch's and transformers' versions, the instruction-set caps in the environment, and the
-    model's shapes (not its weights: speed does not depend on them)."""
+    torch's and transformers' versions, the engine's own paths (``ENGINE_PATHS``), the
+    instruction-set caps in the environment, and the model's shapes (not its weights: speed does
+    not depend on them)."""
     import torch
     import transformers
 
@@ -136,7 +142,7 @@ def choice_key(config: dict, threads: int) -> str:
     shapes = {f: text.get(f) for f in SHAPE_FIELDS}
     parts = [cpu_name(), " ".join(sorted(cpu_flags())), str(threads)]
     # what else changes which kernels run: the libraries, and the instruction-set caps
-    parts += [torch.__version__, transformers.__version__]
+    parts += [torch.__version__, transformers.__version__, f"engine paths {ENGINE_PATHS}"]
     parts += [os.environ.get(name, "") for name in ISA_CAPS]
     parts.append(orjson.dumps(shapes, option=orjson.OPT_SORT_KEYS).decode())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
