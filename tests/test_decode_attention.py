@@ -507,7 +507,7 @@ def test_bf16_lean_steps_are_as_close_to_exact_as_the_models_own_bf16_forward(
     tiny_model_d64, which, shared, rows, native, monkeypatch
 ):
     """A bf16 model's lean step (its products oneDNN's bf16 kernels on the packed weights; its
-    residual stream, norms, rotary embedding, attention over the bf16 cache and logits in fp32,
+    residual stream, norms, rotary embedding and attention over the bf16 cache in fp32,
     by the compiled kernels or torch's ops) against the exact result, the same bf16 weights
     computed in fp32: within 1.5x of the model's own bf16 forward's distance from it, step after
     step, and picking the same next tokens where that forward does. On the tiny random model
