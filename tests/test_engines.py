@@ -1005,6 +1005,25 @@ def test_a_rows_kv_is_its_real_columns_in_order_pads_and_holes_dropped(mask, row
         assert storage != cache.layers[0]._keys.untyped_storage().data_ptr()
 
 
+def test_the_span_copy_is_never_handed_a_caches_device_memory():
+    """A cache off the host (a GPU's; the meta device here) is copied by torch's slices: the
+    compiled span copy takes host addresses only."""
+    from transformers import Cache
+
+    from selfplay.engines.hf_kv import PreallocatedLayer, padded_layers, row_kv
+
+    def host_only(*spans):
+        raise AssertionError("the span copy was handed device memory")
+
+    cache = Cache(layers=[PreallocatedLayer(8) for _ in range(2)])
+    for layer in cache.layers:
+        layer.update(*torch.empty(2, 3, 2, 5, 4, device="meta"))
+    kv = row_kv(cache, 1, torch.tensor([0, 1, 1, 0, 1]), host_only)
+    assert kv.shape == (2, 2, 2, 3, 4) and kv.device.type == "meta"
+    layers = padded_layers([kv, None], 4, 8, 1, host_only)
+    assert len(layers) == 2 and layers[0].keys.shape == (2, 2, 4, 4)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.one_of(st.none(), st.integers(0, 9)), min_size=1, max_size=5).filter(

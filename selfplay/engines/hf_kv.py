@@ -308,7 +308,11 @@ def padded_layers(
     some = next(kv for kv in kept if kv is not None)
     layers_n, _, heads, _, dim = some.shape
     size = some.element_size()
-    plain = all(kv is None or (kv.stride(-1) == 1 and kv.stride(-2) == dim) for kv in kept)
+    # the span copy takes host memory, each token's head dims contiguous, one dtype
+    plain = some.device.type == "cpu" and all(
+        kv is None or (kv.stride(-1) == 1 and kv.stride(-2) == dim and kv.dtype == some.dtype)
+        for kv in kept
+    )
     if copy is None or not plain:
         return [
             PreallocatedLayer.padded(
@@ -349,16 +353,19 @@ def padded_layers(
 def _rooms(layers) -> tuple[np.ndarray, tuple[int, int]] | None:
     """The addresses of ``layers``' key and value rooms (``[layers, 2]``) and their row and head
     strides in bytes, where every layer is a ``PreallocatedLayer`` with contiguous rooms of one
-    shape and dtype; None otherwise."""
+    shape and dtype in host memory (the span copy's); None otherwise (a GPU's cache)."""
     first = layers[0]._keys if isinstance(layers[0], PreallocatedLayer) else None
-    if first is None:
+    if first is None or first.device.type != "cpu":
         return None
     for layer in layers:
         if not (
             isinstance(layer, PreallocatedLayer)
             and layer._keys is not None
             and all(
-                room.is_contiguous() and room.shape == first.shape and room.dtype == first.dtype
+                room.is_contiguous()
+                and room.shape == first.shape
+                and room.dtype == first.dtype
+                and room.device == first.device
                 for room in (layer._keys, layer._values)
             )
         ):

@@ -175,6 +175,7 @@ def decode_attention(lib, query, key, value, runs, scale, prefix: int = 0):
     if not (
         d in HEAD_DIMS
         and group <= MAX_GROUP
+        and query.device.type == key.device.type == value.device.type == "cpu"
         and query.dtype == torch.float32
         and key.dtype == value.dtype in KV_DTYPES
         and query.stride(-1) == 1
@@ -212,8 +213,8 @@ def attention(lib, query, key, value, runs, scale, prefix: int = 0) -> torch.Ten
 
 def _rows(x: torch.Tensor) -> bool:
     """Whether ``x`` is rows the element-wise kernels read: fp32 or bf16, 2-D, each row's
-    features contiguous."""
-    return x.dtype in _BF16 and x.dim() == 2 and x.stride(1) == 1
+    features contiguous, in host memory."""
+    return x.dtype in _BF16 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
 
 
 def add_rms_norm(lib, h, delta, weight, eps, dtype=torch.float32):
