@@ -560,3 +560,22 @@ def test_the_lean_step_of_a_bf16_model_is_off_where_it_differs(tiny_model_d64, m
     step = hf_step.LeanDecode.step
     monkeypatch.setattr(hf_step.LeanDecode, "step", lambda *a, **k: step(*a, **k) * 1.2)
     assert hf_step.lean_decode(model, layers) is None
+
+
+@pytest.mark.parametrize("march", ["-march=x86-64-v3", "-march=x86-64"])
+def test_the_kernels_agree_when_built_for_other_instruction_sets(march, monkeypatch):
+    """The kernels are built for the machine they run on; their code differs by instruction set
+    (AVX-512: three query heads' sums a register block, AVX2: two; without AVX2, the generic
+    vector code and no widening load). Built for an AVX2-only x86-64 (v3) and for plain x86-64,
+    here, each passes the start-up check against torch (fp32 and bf16)."""
+    import platform
+
+    from selfplay.engines import hf_native
+
+    _native_kernel()
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 instruction sets")
+    flags = tuple(march if f == "-march=native" else f for f in hf_native.FLAGS)
+    monkeypatch.setattr(hf_native, "FLAGS", flags)
+    lib = hf_native.build()
+    assert lib is not None and hf_native.agrees(lib)
