@@ -272,8 +272,8 @@ def row_kv(cache, b: int, attn_row, copy: SpanCopy | None = None):
     tokens = sum(end - start for start, end in runs)
     heads, dim = first.shape[1], first.shape[-1]
     out = first.new_empty((len(cache.layers), 2, heads, tokens, dim))
-    rooms = _rooms(cache.layers)
-    if copy is not None and rooms is not None and tokens:
+    rooms = _rooms(cache.layers) if copy is not None and tokens else None
+    if rooms is not None:
         size, (row, head) = first.element_size(), rooms[1]
         starts, ends = np.array(runs, dtype=np.int64).T
         at = np.concatenate([[0], np.cumsum(ends - starts)[:-1]])
