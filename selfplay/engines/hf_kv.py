@@ -182,6 +182,18 @@ class PreallocatedLayer(DynamicLayer):
         return self._keys, self._values, start
 
     @classmethod
+    def empty(cls, rows: int, like: torch.Tensor, capacity: int, length: int) -> PreallocatedLayer:
+        """A layer of ``rows`` rows with room for ``capacity`` tokens, its heads, head dim, dtype
+        and device those of ``like`` (``[..., kv heads, tokens, head dim]``), its keys and values
+        the first ``length`` columns of the room, for the caller to fill."""
+        layer = cls(capacity)
+        layer.lazy_initialization(like, like)
+        shape = (rows, like.shape[-3], capacity, like.shape[-1])
+        layer._keys, layer._values = like.new_empty(shape), like.new_empty(shape)
+        layer.keys, layer.values = layer._keys[..., :length, :], layer._values[..., :length, :]
+        return layer
+
+    @classmethod
     def stacked(
         cls,
         parts: list[tuple[DynamicLayer, torch.Tensor]],
@@ -192,12 +204,8 @@ class PreallocatedLayer(DynamicLayer):
         """One layer holding the selected rows of each part ``(layer, row indices)`` in order,
         each part's tokens padded (zeros) to ``width`` after their first ``keep`` columns (the
         shared prefix stays where it is; 0: left-padded), with room for ``capacity``."""
-        first = parts[0][0].keys
         rows = sum(len(index) for _, index in parts)
-        shape = (rows, first.shape[1], capacity, first.shape[-1])
-        layer = cls(capacity)
-        layer.lazy_initialization(first, parts[0][0].values)
-        layer._keys, layer._values = first.new_empty(shape), first.new_empty(shape)
+        layer = cls.empty(rows, parts[0][0].keys, capacity, width)
         row = 0
         for p, index in parts:
             n, length = len(index), p.keys.shape[-2]
@@ -209,7 +217,6 @@ class PreallocatedLayer(DynamicLayer):
                         part[..., a:b, :], 0, index, out=room[row : row + n, :, to : to + b - a]
                     )
             row += n
-        layer.keys, layer.values = layer._keys[..., :width, :], layer._values[..., :width, :]
         return layer
 
     @classmethod
@@ -226,10 +233,7 @@ class PreallocatedLayer(DynamicLayer):
         (the shared prefix; 0: left-padded), written straight into room for ``capacity``:
         only the padding is zeroed, and nothing is staged in between (a 64-row prefill after
         388 kept tokens spent 0.9 of its 7.3 s filling and copying a staged batch of them)."""
-        layer = cls(capacity)
-        shape = (len(rows), like.shape[1], capacity, like.shape[-1])
-        layer.lazy_initialization(like[0], like[1])
-        layer._keys, layer._values = like.new_empty(shape), like.new_empty(shape)
+        layer = cls.empty(len(rows), like, capacity, past)
         for i, kv in enumerate(rows):
             for room, part in ((layer._keys[i], None if kv is None else kv[0]),
                                (layer._values[i], None if kv is None else kv[1])):  # fmt: skip
@@ -240,7 +244,6 @@ class PreallocatedLayer(DynamicLayer):
                 room[:, :keep] = part[:, :keep]
                 room[:, keep:start] = 0
                 room[:, start:past] = part[:, keep:]
-        layer.keys, layer.values = layer._keys[..., :past, :], layer._values[..., :past, :]
         return layer
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
@@ -320,14 +323,7 @@ def padded_layers(
             )
             for i in range(layers_n)
         ]
-    layers = []
-    for _ in range(layers_n):
-        layer = PreallocatedLayer(capacity)
-        shape = (len(kept), heads, capacity, dim)
-        layer.lazy_initialization(some[0, 0], some[0, 1])
-        layer._keys, layer._values = some.new_empty(shape), some.new_empty(shape)
-        layer.keys, layer.values = layer._keys[..., :past, :], layer._values[..., :past, :]
-        layers.append(layer)
+    layers = [PreallocatedLayer.empty(len(kept), some[i], capacity, past) for i in range(layers_n)]
     (bases, (row, head)) = _rooms(layers)
     spans: list[np.ndarray] = []  # (src, dst, bytes) columns; src 0: zeros
     width = dim * size
