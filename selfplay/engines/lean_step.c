@@ -36,6 +36,7 @@ typedef unsigned short u8x16 __attribute__((vector_size(16)));
 typedef unsigned u32x8 __attribute__((vector_size(32)));
 
 #define MAX_GROUP 16
+#define MAX_ROTARY_DIM 256 /* rotary_cache's buffer of one rotated key (hf_native.MAX_ROTARY_DIM) */
 #define AHEAD 6 /* positions prefetched ahead */
 #define LINE 64 /* bytes a cache line */
 
@@ -132,6 +133,7 @@ static inline v8 exp_nonpositive(v8 x) {
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* eight fp32, or eight bf16 widened, from p's i-th element on */
 INLINE v8 load_kv(const void *p, long i, int is_bf16) {
   return is_bf16 ? load_bf16((const bf16 *)p + i) : load((const float *)p + i);
 }
@@ -351,14 +353,7 @@ void silu_mul(const void *x, void *out, int rows, int inter, int is_bf16) {
     long g0 = (long)r * 2 * inter, u0 = g0 + inter, y0 = (long)r * inter;
     int i = 0;
     for (; i + 8 <= inter; i += 8) {
-      v8 a, u;
-      if (is_bf16) {
-        a = load_bf16((const bf16 *)x + g0 + i);
-        u = load_bf16((const bf16 *)x + u0 + i);
-      } else {
-        a = load((const float *)x + g0 + i);
-        u = load((const float *)x + u0 + i);
-      }
+      v8 a = load_kv(x, g0 + i, is_bf16), u = load_kv(x, u0 + i, is_bf16);
       /* exp(-|a|) is exact for both signs: sigmoid(a) = 1 / (1 + e) or e / (1 + e) */
       v8 neg = pick(a > splat(0.f), -a, a);
       v8 e = exp_nonpositive(neg);
@@ -395,8 +390,8 @@ void rotary_cache(const void *x, int x_bf16, float *q_out, long q_stride, const 
                   const float *sin, int rows, int heads, int kv_heads, int dim, long stride,
                   void *keys, void *values, int cache_bf16, long row_stride, long head_stride,
                   long column) {
-  float k[256];
-  if (dim > 256) return;
+  float k[MAX_ROTARY_DIM];
+  if (dim > MAX_ROTARY_DIM) return; /* hf_native checks it first */
   for (int r = 0; r < rows; r++) {
     const float *c = cos + (long)r * dim, *s = sin + (long)r * dim;
     long row = r * stride;
