@@ -15,12 +15,14 @@
  *
  * Layouts: queries fp32 [B, Hkv x G, D], rows `q_row_stride` apart (a view into the fused q/k/v
  * product will do); keys and values fp32 (attend_d64, attend_d128) or bf16 (attend_bf16_d64,
- * attend_bf16_d128: each read widened to fp32, every sum in fp32), row b, head h, own position l
- * at base + b * row_stride + h * head_stride + l * D (the engine's preallocated cache, any
- * capacity), prefix position l at kp / vp + h * head_stride + l * D (l < P; P = 0: none); runs
- * [B, R, 2] int32; out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled
- * scores: -inf where a row attends to nothing, its output then zero); scratch: `threads` buffers
- * `scratch_stride` floats apart, each at least G x (P + own positions + 8).
+ * attend_bf16_d128: each read widened to fp32, every sum in fp32; or, on a CPU with AVX-512 BF16,
+ * by pair products: attend_task_dp below), row b, head h, own position l at base + b * row_stride
+ * + h * head_stride + l * D (the engine's preallocated cache, any capacity), prefix position l at
+ * kp / vp + h * head_stride + l * D (l < P; P = 0: none), the values' own base as far from vp as
+ * the keys' from kp (the engine's: both the prefix's tensor's later columns); runs [B, R, 2]
+ * int32; out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled scores:
+ * -inf where a row attends to nothing, its output then zero); scratch: `threads` buffers
+ * `scratch_stride` floats apart, each at least (2 x G + 2) x (P + own positions + 8) + 256.
  */
 #include <math.h>
 #ifdef __AVX2__
@@ -293,6 +295,169 @@ INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) 
   values(D, is_bf16, vb, rr, a->R, G, s, padded, o, P);
 }
 
+#ifdef __AVX512BF16__
+/* On a CPU with AVX-512 BF16 a bf16 cache is read as it is: VDPBF16PS multiplies bf16 pairs and
+ * sums them into fp32 (a bf16 product is exact in fp32), 32 products an instruction against 8 for
+ * a widened key's FMA. Each query is split into two bf16 parts, hi (its top 16 bits) and lo (the
+ * rest, rounded), whose products with a key sum to the score to about 2^-16 of the query
+ * (fp32's 2^-24, a bf16 query's 2^-9); the probabilities are rounded to bf16 for the values (as
+ * attention's bf16 output is). The positions a task reads (the prefix's from row 0, then the
+ * row's own runs) are listed first as element offsets from the cache's start, so that both
+ * passes take them in blocks whatever the runs. */
+#define DP 1
+_Static_assert(AHEAD + 6 <= 128, "the offsets past a task's positions fit the 256 floats of slack");
+
+typedef __m512bh pairs; /* 32 bf16: 16 pairs */
+
+/* the 16 fp32 sums of x's lanes in halves, as eight */
+INLINE v8 halves(__m512 x) {
+  return (v8)_mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+
+/* a task's positions as offsets (elements) from the cache's row 0, the prefix's first; padded to
+ * a multiple of four and AHEAD + 2 past it by repeating the last; returns how many */
+INLINE int offsets(int D, const struct attend_args *a, const int *rr, int b, int h, long *off) {
+  int n = 0;
+  long at = (const bf16 *)a->k - (const bf16 *)a->kp + b * a->row_stride + h * a->head_stride;
+  for (int l = 0; l < a->P; l++) off[n++] = h * a->head_stride + (long)l * D;
+  for (int r = 0; r < a->R; r++)
+    for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++) off[n++] = at + (long)l * D;
+  for (int j = n; j < ((n + 3) & ~3) + AHEAD + 2; j++) off[j] = off[n - 1];
+  return n;
+}
+
+/* scores s[g * padded + i] of the G queries qt against the n positions off lists (read from k),
+ * four positions at once, each score the sum of its query's hi and lo parts' products */
+INLINE void dp_scores(int D, const float *qt, const bf16 *k, const long *off, int n, int G,
+                      float scale, float *s, int padded) {
+  const int C = D / 32;
+  pairs hi[MAX_GROUP][4], lo[MAX_GROUP][4];
+  const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) {
+      __m512 x0 = _mm512_loadu_ps(qt + g * D + 32 * c), x1 = _mm512_loadu_ps(qt + g * D + 32 * c + 16);
+      __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x0), top));
+      __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x1), top));
+      hi[g][c] = _mm512_cvtne2ps_pbh(h1, h0); /* exact: h0, h1 are bf16 values */
+      lo[g][c] = _mm512_cvtne2ps_pbh(x1 - h1, x0 - h0);
+    }
+  for (int i = 0; i < n; i += KB) {
+    for (int j = 0; j < KB; j++) prefetch_kv(k, off[i + AHEAD + j], D, 1);
+    for (int g0 = 0; g0 < G; g0 += GB) {
+      __m512 acc[GB][KB];
+      for (int g = 0; g < GB; g++)
+        for (int j = 0; j < KB; j++) acc[g][j] = _mm512_setzero_ps();
+      for (int c = 0; c < C; c++) {
+        pairs kc[KB];
+        for (int j = 0; j < KB; j++) kc[j] = (pairs)_mm512_loadu_si512(k + off[i + j] + 32 * c);
+        for (int g = 0; g < GB; g++) {
+          int q = g0 + g < G ? g0 + g : G - 1; /* a block past the last query repeats it */
+          for (int j = 0; j < KB; j++) {
+            acc[g][j] = _mm512_dpbf16_ps(acc[g][j], hi[q][c], kc[j]);
+            acc[g][j] = _mm512_dpbf16_ps(acc[g][j], lo[q][c], kc[j]);
+          }
+        }
+      }
+      for (int g = 0; g < GB && g0 + g < G; g++) {
+        float *sg = s + (g0 + g) * padded + i;
+        sum4(halves(acc[g][0]), halves(acc[g][1]), halves(acc[g][2]), halves(acc[g][3]), sg);
+        for (int j = 0; j < KB; j++) sg[j] *= scale;
+      }
+    }
+  }
+}
+
+/* o[g] = the probabilities p (bf16, [G][padded]) times the values of the n positions off lists
+ * (read from v): two positions a pass, their value rows interleaved into pairs (within each
+ * 128-bit lane, so that the sums land in a lane order undone at the end) */
+INLINE void dp_values(int D, const bf16 *v, const long *off, int n, int G, const bf16 *p,
+                      int padded, float *o) {
+  const int C = D / 32;
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
+  for (int g0 = 0; g0 < G; g0 += GB) {
+    __m512 acc[GB][2 * 4]; /* [g][2c]: the low pairs of part c, [g][2c + 1]: the high */
+    for (int g = 0; g < GB; g++)
+      for (int c = 0; c < 2 * C; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 2) {
+      prefetch_kv(v, off[i + AHEAD], D, 1);
+      prefetch_kv(v, off[i + AHEAD + 1], D, 1);
+      for (int c = 0; c < C; c++) {
+        __m512i a = _mm512_loadu_si512(v + off[i] + 32 * c);
+        __m512i b = _mm512_loadu_si512(v + off[i + 1] + 32 * c);
+        pairs low = (pairs)_mm512_unpacklo_epi16(a, b), high = (pairs)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < GB; g++) {
+          int q = g0 + g < G ? g0 + g : G - 1;
+          int two;
+          memcpy(&two, p + q * padded + i, sizeof two);
+          pairs w = (pairs)_mm512_set1_epi32(two);
+          acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], w, low);
+          acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], w, high);
+        }
+      }
+    }
+    for (int g = 0; g < GB && g0 + g < G; g++)
+      for (int c = 0; c < C; c++) {
+        float *og = o + (g0 + g) * D + 32 * c;
+        _mm512_storeu_ps(og, _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]));
+        _mm512_storeu_ps(og + 16, _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]));
+      }
+  }
+}
+
+/* attend_task for a bf16 cache by the pair products above; scratch: the scores, then the
+ * probabilities in bf16, then the offsets */
+INLINE void attend_task_dp(int D, int t, const struct attend_args *a) {
+  int G = a->G, b = t / a->H, h = t % a->H;
+  const int *rr = a->runs + (long)b * a->R * 2;
+  const float *qt = a->q + b * a->q_row_stride + (long)h * G * D;
+  float *o = a->out + (long)t * G * D, *lse = a->lse + (long)t * G;
+  float *s = a->scratch + a->scratch_stride * omp_get_thread_num();
+  int width = a->P;
+  for (int r = 0; r < a->R; r++) width += rr[2 * r + 1] - rr[2 * r];
+  if (width <= 0) {
+    memset(o, 0, sizeof(float) * G * D);
+    for (int g = 0; g < G; g++) lse[g] = -INFINITY;
+    return;
+  }
+  int padded = (width + 7) & ~7;
+  bf16 *p = (bf16 *)(s + G * padded);
+  long *off = (long *)(s + 2 * G * padded);
+  const bf16 *k = (const bf16 *)a->kp, *v = (const bf16 *)a->vp;
+  int n = offsets(D, a, rr, b, h, off);
+  dp_scores(D, qt, k, off, n, G, a->scale, s, padded);
+  for (int g = 0; g < G; g++) {
+    float *sg = s + g * padded;
+    for (int j = width; j < padded; j++) sg[j] = -INFINITY;
+    v8 most = splat(-INFINITY);
+    for (int j = 0; j < padded; j += 8) {
+      v8 x = load(sg + j);
+      most = pick(x > most, x, most);
+    }
+    float top = most[0];
+    for (int j = 1; j < 8; j++) top = most[j] > top ? most[j] : top;
+    v8 sum = splat(0.f);
+    for (int j = 0; j < padded; j += 8) {
+      v8 x = load(sg + j);
+      v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top)));
+      store(sg + j, e);
+      sum += e;
+    }
+    float all = total(sum), inv = 1.f / all;
+    for (int j = 0; j < padded; j += 8) store_bf16(p + g * padded + j, load(sg + j) * splat(inv));
+    lse[g] = top + logf(all);
+  }
+  dp_values(D, v, off, n, G, p, padded, o);
+}
+#endif
+
+#ifdef DP
+#define TASK(D, IS_BF16, t, a) ((IS_BF16) ? attend_task_dp(D, t, a) : attend_task(D, IS_BF16, t, a))
+#else
+#define TASK attend_task
+#endif
+
 #define DEFINE_ATTEND(NAME, D, IS_BF16)                                                           \
   int NAME(const float *q, long q_row_stride, const void *k, const void *v, const int *runs,      \
            int R, float *out, float *lse, int B, int H, int G, long row_stride, long head_stride, \
@@ -303,9 +468,18 @@ INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) 
                             out,   lse,          H,       G,       row_stride,     head_stride,  \
                             scale, scratch,      scratch_stride,   kp, vp, P};                   \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
-    for (int t = 0; t < B * H; t++) attend_task(D, IS_BF16, t, &a);                              \
+    for (int t = 0; t < B * H; t++) TASK(D, IS_BF16, t, &a);                                    \
     return 0;                                                                                    \
   }
+
+/* 1 where a bf16 cache is read by pair products (attend_task_dp), 0 where widened to fp32 */
+int pair_products(void) {
+#ifdef DP
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 DEFINE_ATTEND(attend_d64, 64, 0)
 DEFINE_ATTEND(attend_d128, 128, 0)
