@@ -605,3 +605,91 @@ def test_the_kernels_agree_when_built_for_other_instruction_sets(march, monkeypa
     if "-mavx512bf16" in march and not v4 <= cpu_flags():
         return  # it would stop at its first AVX-512 instruction here
     assert hf_native.agrees(lib)
+
+
+def _prefill_mask(rows: int, new: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """SDPA's mask ``[rows, 1, new, length]`` of a prefill pass as the engine lays it out: each
+    row's kept KV left-padded up to the new tokens, its new tokens left-padded and causal (a
+    padding token's row empty), one row with a hole in its kept KV."""
+    past = length - new
+    mask = torch.zeros(rows, 1, new, length, dtype=torch.bool)
+    for b in range(rows):
+        kept = int(torch.randint(0, past + 1, (), generator=g))
+        real = int(torch.randint(1, new + 1, (), generator=g))
+        mask[b, 0, new - real :, past - kept : past] = True
+        for t in range(new - real, new):
+            mask[b, 0, t, past + new - real : past + t + 1] = True
+    mask[0, 0, :, past - 5 : past - 2] = False  # a hole
+    return mask
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128)])
+def test_a_prefill_pass_attends_by_the_kernel_a_row_a_token(cache, heads, kv_heads, dim):
+    """A prefill pass's attention by the kernel (``hf_native.PrefillAttention``: each new token a
+    query row reading its row of the cache, at its row of the causal mask) is exact attention
+    over the widened cache within the kernel's bound (``attention_slack`` of each token as a row
+    of its own) and the output's rounding to the queries' dtype; a padding token's output is
+    zeros; every layer's call of a pass finds the mask's runs once."""
+    from selfplay.engines import hf_native
+
+    lib = _native_kernel()
+    g = torch.Generator().manual_seed(heads + dim)
+    rows, new, length = 5, 9, 70
+    query = torch.randn(rows, heads, new, dim, generator=g).to(cache)
+    room = torch.randn(2, rows, kv_heads, length + 6, dim, generator=g).to(cache)
+    key, value = room[0, :, :, :length], room[1, :, :, :length]
+    mask = _prefill_mask(rows, new, length, g)
+    attention = hf_native.PrefillAttention(lib)
+    got = attention(query, key, value, mask, 0.3)
+    assert got.shape == (rows, new, heads, dim) and got.dtype == cache
+    runs = attention._runs[1]
+    assert attention(query, key, value, mask, 0.3) is not None and attention._runs[1] is runs
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, scale=0.3, enable_gqa=True
+    ).transpose(1, 2)
+    real = mask[:, 0].any(-1)  # [rows, new]: the tokens that are not padding
+    assert (got[~real] == 0).all() and (~real).any()
+    each = [x.repeat_interleave(new, dim=0) for x in (key, value)]  # a token's own rows
+    q = query.float().transpose(1, 2).reshape(rows * new, heads, 1, dim)
+    slack = hf_native.attention_slack(lib, q, *each, mask.reshape(rows * new, length), 0.3)[0]
+    slack = slack.reshape(rows, new, heads, dim) if slack.numel() > 1 else slack
+    rounding = exact.abs() * (2**-8 if cache == torch.bfloat16 else 0)
+    assert ((got.float() - exact).abs() <= slack + rounding + 1e-5)[real].all()
+    # masks the kernel does not take: SDPA runs (the caller's None)
+    assert attention(query, key, value, None, 0.3) is None
+    assert attention(query, key, value, mask.float(), 0.3) is None
+
+
+def test_a_bf16_engine_prefills_by_the_kernel_where_it_reads_pairs(tiny_model_d64, monkeypatch):
+    """A bf16 model's prefill passes attend by the kernel where it reads the cache by pair
+    products (else SDPA: a fp32 model, the switch off, or a CPU without AVX-512 BF16), and the
+    logits after a batch's prefill are SDPA's within bf16's rounding."""
+    from selfplay.engines import HFEngineConfig, hf_native
+    from selfplay.engines.hf import HFEngine
+
+    lib = _native_kernel()
+    assert hf_native.prefill_attention(torch.float32) is None
+    if not lib.pair_products():
+        assert hf_native.prefill_attention(torch.bfloat16) is None
+        pytest.skip("this CPU has no AVX-512 BF16: prefill attends by SDPA")
+    assert isinstance(hf_native.prefill_attention(torch.bfloat16), hf_native.PrefillAttention)
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model_d64), device="cpu", dtype="bf16"))
+    calls = []
+    call = hf_native.PrefillAttention.__call__
+    monkeypatch.setattr(
+        hf_native.PrefillAttention,
+        "__call__",
+        lambda self, *a: calls.append(a[0].shape) or call(self, *a),
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [tuple(torch.randint(5, 200, (n,), generator=g).tolist()) for n in (40, 23, 31)]
+    logits = {}
+    for native in (True, False):
+        monkeypatch.setattr(hf_native, "NATIVE_PREFILL", native)
+        with torch.inference_mode():
+            logits[native] = engine._prefill(prompts, 4)[1].float()
+    layers = engine.model.config.num_hidden_layers
+    assert len(calls) == layers and calls[0][0] == len(prompts)  # the switch on: each layer
+    scale = logits[False].abs().max()
+    assert (logits[True] - logits[False]).abs().max() <= 0.05 * scale

@@ -77,6 +77,10 @@ class SharedPrefix:
 
 
 SHARED_PREFIX = "selfplay_shared_prefix"
+# the keyword argument of a prefill pass's model call that carries its attention kernel
+# (``hf_native.PrefillAttention``: called as ``(query, key, value, mask, scale)``, it returns the
+# output ``[B, n, H, D]`` or None, and then SDPA runs)
+PREFILL_KERNEL = "selfplay_prefill_kernel"
 
 
 def passes_shared_prefix(model) -> bool:
@@ -181,6 +185,11 @@ def grouped_sdpa() -> str:
         if GROUPED_DECODE and query.shape[2] == 1 and not dropout:
             out = grouped_decode_attention(query, key, value, attention_mask, scaling)
             return out.transpose(1, 2).contiguous(), None
+        kernel = kw.get(PREFILL_KERNEL)
+        if kernel is not None and query.shape[2] > 1 and not dropout:
+            out = kernel(query, key, value, attention_mask, scaling)
+            if out is not None:
+                return out, None
         causal = kw.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 # True: the lean decoding step's attention over each row's own KV runs the kernel where it was
 # built and passed its check; read at call time, so a benchmark can alternate
 NATIVE_ATTENTION = True
+# True: a bf16 model's prefill passes attend by the kernel where it reads the cache by pair
+# products (``prefill_attention``); read at call time
+NATIVE_PREFILL = True
 # True: the lean step's element-wise work runs the kernels where built; read at call time
 NATIVE_ELEMENTWISE = True
 # True: the KV cache's copies (a finished row's out, kept rows' into a batch) run the kernel's
@@ -126,7 +129,7 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
     for dim in HEAD_DIMS:
         for kv in KV_DTYPES.values():
             fn = getattr(loaded, f"attend{kv}_d{dim}")
-            fn.argtypes = [p, n, p, p, p, i, p, p, i, i, i, n, n, f, p, n, i, p, p, i]
+            fn.argtypes = [p, n, p, p, p, i, p, p, i, i, i, n, n, f, p, n, i, p, p, i, i]
             fn.restype = ctypes.c_int
     loaded.add_rms_norm.argtypes = [p, p, i, p, f, p, i, i, i, n]
     loaded.silu_mul.argtypes = [p, p, i, i, i]
@@ -171,7 +174,7 @@ def mask_runs(mask: torch.Tensor) -> torch.Tensor:
     return runs
 
 
-def decode_attention(lib, query, key, value, runs, scale, prefix: int = 0):
+def decode_attention(lib, query, key, value, runs, scale, prefix: int = 0, per: int = 1):
     """Attention of one new token a row (``[B, H, 1, D]`` queries; rows may be strided, each row's
     heads contiguous: a view into the fused q/k/v product will do; fp32) over its keys and values
     ``[B, Hkv, L, D]`` (fp32, or bf16 read widened to fp32): the first ``prefix`` columns (the
@@ -179,7 +182,8 @@ def decode_attention(lib, query, key, value, runs, scale, prefix: int = 0):
     ``runs`` (``mask_runs`` of the columns after the prefix) names, scores scaled by ``scale``
     (None: ``D ** -0.5``). The output ``[B, H, D]`` and its log-sum-exp ``[B, H]`` (as
     ``hf_cpu.grouped_flash`` returns them), or None where the kernel does not cover these
-    tensors (the caller runs torch's kernels)."""
+    tensors (the caller runs torch's kernels). ``per``: query rows a row of the cache (B = the
+    cache's rows x per; ``PrefillAttention``'s)."""
     b, h, _, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = h // kv_heads
@@ -194,7 +198,7 @@ def decode_attention(lib, query, key, value, runs, scale, prefix: int = 0):
         and key.stride() == value.stride()
         and key.stride(-1) == 1
         and key.stride(-2) == d
-        and runs.shape[0] == b
+        and runs.shape[0] == b == key.shape[0] * per
         and 0 <= prefix <= length
     ):
         return None
@@ -210,7 +214,7 @@ def decode_attention(lib, query, key, value, runs, scale, prefix: int = 0):
         query.data_ptr(), query.stride(0), own_k.data_ptr(), own_v.data_ptr(), runs.data_ptr(),
         runs.shape[1], out.data_ptr(), lse.data_ptr(), b, kv_heads, group, key.stride(0),
         key.stride(1), scale, scratch.data_ptr(), scratch.stride(0), threads, key.data_ptr(),
-        value.data_ptr(), prefix,
+        value.data_ptr(), prefix, per,
     )  # fmt: skip
     if status != 0:
         return None
@@ -222,6 +226,44 @@ def attention(lib, query, key, value, runs, scale, prefix: int = 0) -> torch.Ten
     None where it does not cover these tensors."""
     got = decode_attention(lib, query, key, value, runs, scale, prefix)
     return None if got is None else got[0]
+
+
+class PrefillAttention:
+    """A prefill pass's attention by the kernel, each new token a query row of its own (its runs
+    its row of the causal mask), the tokens of a row reading its keys and values in turn while
+    they are in the core's cache: ``[B, H, n, D]`` queries over ``[B, Hkv, L, D]`` keys and
+    values at SDPA's boolean mask ``[B, 1, n, L]`` (True: attend), out ``[B, n, H, D]`` in the
+    queries' dtype, or None where the kernel does not cover these tensors (the caller runs SDPA).
+    A padding token (its mask row empty) gets zeros. One object a pass: its layers share the
+    mask, whose runs are found once.
+
+    Used for a bf16 cache where the kernel reads it by pair products (``prefill_attention``):
+    there a 64-row pass of 38 new tokens over 527 columns (the 64-game stage's) took 33 ms a
+    layer by torch's flash kernel in bf16 (about 90 GFLOP/s)."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+        self._runs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def __call__(self, query, key, value, mask, scale) -> torch.Tensor | None:
+        b, h, n, d = query.shape
+        if mask is None or mask.dtype != torch.bool or mask.shape != (b, 1, n, key.shape[2]):
+            return None
+        if self._runs[0] is not mask:  # every layer of the pass gets the same mask tensor
+            self._runs = (mask, mask_runs(mask.reshape(b * n, -1)))
+        rows = query.transpose(1, 2).float().contiguous()  # [B, n, H, D]: a row a token
+        got = decode_attention(
+            self.lib, rows.view(b * n, h, 1, d), key, value, self._runs[1], scale, per=n
+        )
+        return None if got is None else got[0].view(b, n, h, d).to(query.dtype)
+
+
+def prefill_attention(dtype: torch.dtype) -> PrefillAttention | None:
+    """A prefill pass's attention for a model of ``dtype`` where the kernel is faster than
+    torch's flash kernel: a bf16 cache read by pair products (widening it, or a fp32 cache, the
+    kernel takes about what the flash kernel does); None: SDPA."""
+    lib = kernel() if NATIVE_PREFILL and dtype == torch.bfloat16 else None
+    return PrefillAttention(lib) if lib is not None and lib.pair_products() else None
 
 
 def _rows(x: torch.Tensor) -> bool:

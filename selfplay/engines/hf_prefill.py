@@ -117,6 +117,8 @@ class Prefill:
         ids, attn = ids.to(dev), attn.to(dev)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, past:]
         cache = self._batch_cache(kept, past, past + width + room, shared)
+        kernel = hf_native.prefill_attention(self.model.dtype) if dev.type == "cpu" else None
+        extra = {} if kernel is None else {hf_cpu.PREFILL_KERNEL: kernel}
         with hf_cpu.real_tokens(attn[:, past:]):  # the linear layers skip the padding
             out = self.model(
                 input_ids=ids,
@@ -125,6 +127,7 @@ class Prefill:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **extra,
             )
         return cache, out.logits[:, -1, :], attn, positions, shared
 

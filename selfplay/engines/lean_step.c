@@ -23,6 +23,9 @@
  * int32; out [B, Hkv, G, D]; lse [B, Hkv, G] (the log-sum-exp of each query's scaled scores:
  * -inf where a row attends to nothing, its output then zero); scratch: `threads` buffers
  * `scratch_stride` floats apart, each at least (2 x G + 2) x (P + own positions + 8) + 256.
+ * With `per` > 1, B counts query rows, `per` of them a cache row (a prefill's new tokens, each a
+ * row of its own, its runs its causal mask's): query row b reads cache row b / per, and a
+ * thread's tasks, in order, read the same cache row while it is in the core's cache.
  */
 #include <math.h>
 #ifdef __AVX2__
@@ -170,6 +173,7 @@ struct attend_args {
   long scratch_stride;
   const void *kp, *vp; /* the shared prefix's keys and values: row 0's, P positions */
   int P;
+  int per; /* query rows a cache row: row b's keys and values are cache row b / per */
 };
 
 /* scores s[g * padded + i] of the G queries qt against the positions of runs rr, from the i-th
@@ -253,7 +257,7 @@ INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) 
   int G = a->G, P = a->P, b = t / a->H, h = t % a->H, size = is_bf16 ? 2 : 4;
   const int *rr = a->runs + (long)b * a->R * 2;
   const int prefix[2] = {0, P};
-  long at = b * a->row_stride + h * a->head_stride;
+  long at = (long)(b / a->per) * a->row_stride + h * a->head_stride;
   const void *kb = (const char *)a->k + at * size, *vb = (const char *)a->v + at * size;
   const void *kp = (const char *)a->kp + h * a->head_stride * size;
   const void *vp = (const char *)a->vp + h * a->head_stride * size;
@@ -318,7 +322,8 @@ INLINE v8 halves(__m512 x) {
  * a multiple of four and AHEAD + 2 past it by repeating the last; returns how many */
 INLINE int offsets(int D, const struct attend_args *a, const int *rr, int b, int h, long *off) {
   int n = 0;
-  long at = (const bf16 *)a->k - (const bf16 *)a->kp + b * a->row_stride + h * a->head_stride;
+  long at = (const bf16 *)a->k - (const bf16 *)a->kp + (long)(b / a->per) * a->row_stride +
+            h * a->head_stride;
   for (int l = 0; l < a->P; l++) off[n++] = h * a->head_stride + (long)l * D;
   for (int r = 0; r < a->R; r++)
     for (int l = rr[2 * r]; l < rr[2 * r + 1]; l++) off[n++] = at + (long)l * D;
@@ -462,11 +467,11 @@ INLINE void attend_task_dp(int D, int t, const struct attend_args *a) {
   int NAME(const float *q, long q_row_stride, const void *k, const void *v, const int *runs,      \
            int R, float *out, float *lse, int B, int H, int G, long row_stride, long head_stride, \
            float scale, float *scratch, long scratch_stride, int threads, const void *kp,         \
-           const void *vp, int P) {                                                               \
-    if (G < 1 || G > MAX_GROUP) return 1;                                                        \
+           const void *vp, int P, int per) {                                                      \
+    if (G < 1 || G > MAX_GROUP || per < 1) return 1;                                             \
     struct attend_args a = {q,     q_row_stride, k,       v,       runs,           R,            \
                             out,   lse,          H,       G,       row_stride,     head_stride,  \
-                            scale, scratch,      scratch_stride,   kp, vp, P};                   \
+                            scale, scratch,      scratch_stride,   kp, vp, P, per};              \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
     for (int t = 0; t < B * H; t++) TASK(D, IS_BF16, t, &a);                                    \
     return 0;                                                                                    \
