@@ -932,6 +932,72 @@ def test_hf_sampler_is_the_inverse_cdf_of_the_softmax_and_reports_its_log_softma
             torch.testing.assert_close(lp[b], want[tok[b]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [5000, 4999])
+def test_the_sampling_kernel_draws_what_torchs_sampler_draws(vocab):
+    """The compiled sampler (``hf_native.sample_rows``, one pass a row) draws the engine's torch
+    sampler's tokens at the same uniform draws (temperatures 1, below and above it, greedy; a
+    draw of 0 and one near 1; tokens ruled out at -inf; a vocabulary past the last block of 8)
+    and reports the same log-softmax, to 1e-5; a draw a hair below 1 gets a token with weight
+    (where the two sums' rounding may pick neighbours)."""
+    import shutil
+
+    from selfplay.engines import hf_native
+    from selfplay.engines.hf_decode import _sample
+
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here: the engine samples by torch's ops")
+    lib = hf_native.kernel()
+    assert lib is not None
+    g = torch.Generator().manual_seed(vocab)
+    logits = 3 * torch.randn(8, vocab + 7, generator=g)[:, :vocab]  # rows strided
+    logits[2, : vocab // 2] = float("-inf")
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 0.5, 1.0, 2.0])
+    u = torch.rand(8, generator=g)
+    u[0], u[1] = 0.0, 0.999
+    got = hf_native.sample_rows(lib, logits, temps, u)
+    want = _sample(logits, temps, torch.ones(8), u)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert got[0][2] >= vocab // 2  # never a ruled-out token
+    ref = hf_native.sampling_reference(logits, temps, u)
+    assert torch.equal(got[0], ref[0])
+    assert hf_native.sample_rows(lib, logits.double(), temps, u) is None
+    # a draw at the CDF's top, where the two sums' rounding may differ: a token with weight
+    edge = torch.full((8,), 1 - 2**-24)
+    warm = temps.clamp(min=0.5)
+    tok = hf_native.sample_rows(lib, logits, warm, edge)[0]
+    assert (logits.gather(1, tok[:, None]) > float("-inf")).all()
+    cdf = torch.softmax(logits / warm[:, None], dim=-1).cumsum(-1)
+    assert (cdf.gather(1, tok[:, None]) >= 1 - 1e-4).all()  # at the top of the CDF
+
+
+def test_hf_samples_by_the_kernel_without_top_p_and_by_torch_with_it(hf, monkeypatch):
+    """A decoding step samples its rows by the compiled sampler unless a row cuts top-p, and
+    what it generates is torch's sampler's token for token."""
+    from selfplay.engines import hf_native
+
+    if hf_native.kernel() is None:
+        pytest.skip("the compiled kernels are off here")
+    calls = []
+    sample = hf_native.sample_rows
+    monkeypatch.setattr(hf_native, "sample_rows", lambda *a: calls.append(1) or sample(*a))
+    ids = [prompt(hf, t) for t in ("one", "two more", "and three")]
+    reqs = [
+        GenerationRequest(x, max_new_tokens=12, temperature=1.0, seed=i) for i, x in enumerate(ids)
+    ]
+    native = run(gather_close(fresh(hf), reqs))
+    assert len(calls) >= 12
+    monkeypatch.setattr(hf_native, "NATIVE_SAMPLE", False)
+    by_torch = run(gather_close(fresh(hf), reqs))
+    assert [g.token_ids for g in native] == [g.token_ids for g in by_torch]
+    for a, b in zip(native, by_torch):
+        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a.logprobs, b.logprobs))
+    calls.clear()
+    monkeypatch.setattr(hf_native, "NATIVE_SAMPLE", True)
+    run(gather_close(fresh(hf), [replace(r, top_p=0.9) for r in reqs]))
+    assert not calls
+
+
 def test_hf_finished_rows_leave_the_batch_at_once_and_the_rest_are_unchanged(hf):
     """Rows that finish at different steps leave the batch when they finish (the last live rows
     move into their places), so decoding computes only live rows: one row a step for each token

@@ -177,7 +177,12 @@ class DecodeLoop(Prefill):
         live = run.live_positions()
         u = torch.full((len(run.active),), 0.5)  # a dead row's draw: never used
         u[live] = torch.stack([torch.rand((), generator=run.gens[run.active[b]]) for b in live])
-        tok, lp = _sample(run.logits.float(), run.temps, run.top_p, u.to(self.device))
+        logits, u = run.logits.float(), u.to(self.device)
+        got = None
+        lib = hf_native.kernel() if hf_native.NATIVE_SAMPLE else None
+        if lib is not None and not bool((run.top_p < 1).any()):
+            got = hf_native.sample_rows(lib, logits, run.temps, u)
+        tok, lp = got if got is not None else _sample(logits, run.temps, run.top_p, u)
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for b in live:
             row = run.active[b]

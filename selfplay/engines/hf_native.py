@@ -73,6 +73,9 @@ NATIVE_ATTENTION = True
 # True: a bf16 model's prefill passes attend by the kernel where it reads the cache by pair
 # products (``prefill_attention``); read at call time
 NATIVE_PREFILL = True
+# True: a decoding step without top-p samples its rows by the kernel (``sample_rows``) where
+# built; read at call time
+NATIVE_SAMPLE = True
 # True: the lean step's element-wise work runs the kernels where built; read at call time
 NATIVE_ELEMENTWISE = True
 # True: the KV cache's copies (a finished row's out, kept rows' into a batch) run the kernel's
@@ -135,9 +138,16 @@ def build(compiler: str | None = None) -> ctypes.CDLL | None:
     loaded.silu_mul.argtypes = [p, p, i, i, i]
     loaded.rotary_cache.argtypes = [p, i, p, n, p, p, i, i, i, i, n, p, p, i, n, n, n]
     loaded.copy_spans.argtypes = [p, p, p, n, i]
+    loaded.sample_rows.argtypes = [p, n, i, i, p, p, p, p, p, i]
     loaded.pair_products.argtypes = []
     loaded.pair_products.restype = ctypes.c_int
-    for fn in (loaded.add_rms_norm, loaded.silu_mul, loaded.rotary_cache, loaded.copy_spans):
+    for fn in (
+        loaded.add_rms_norm,
+        loaded.silu_mul,
+        loaded.rotary_cache,
+        loaded.copy_spans,
+        loaded.sample_rows,
+    ):
         fn.restype = None
     return loaded
 
@@ -352,6 +362,34 @@ def copy_spans(lib, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Non
     )
 
 
+def sample_rows(lib, logits, temps, u) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decoding step's draws in one pass a row where torch's sampler makes several over the
+    ``[rows, vocab]`` fp32 logits (``hf_decode._sample`` without top-p: the same inverse CDF
+    in vocabulary order, temperature ``temps`` (0: greedy), uniform draws ``u``): the tokens and
+    their log-softmax at the temperature, or None where the kernel does not cover these tensors
+    (the caller runs torch's)."""
+    rows, vocab = logits.shape
+    if not (
+        logits.dtype == temps.dtype == u.dtype == torch.float32
+        and logits.device.type == temps.device.type == u.device.type == "cpu"
+        and logits.stride(-1) == 1
+        and temps.is_contiguous()
+        and u.is_contiguous()
+        and temps.shape == u.shape == (rows,)
+        and 0 < vocab < 2**31
+    ):
+        return None
+    tok = torch.empty(rows, dtype=torch.long)
+    lp = torch.empty(rows)
+    threads = torch.get_num_threads()
+    weights = torch.empty(threads, vocab + 8)  # each thread's row of weights
+    lib.sample_rows(
+        logits.data_ptr(), logits.stride(0), rows, vocab, temps.data_ptr(), u.data_ptr(),
+        tok.data_ptr(), lp.data_ptr(), weights.data_ptr(), threads,
+    )  # fmt: skip
+    return tok, lp
+
+
 def span_copy() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
     """The KV cache's span copy (``copy_spans`` on this process's kernels) for ``hf_kv``'s
     ``row_kv`` and ``padded_layers``, or None (they run torch's slice copies) where the kernels
@@ -369,10 +407,13 @@ def agrees(lib) -> bool:
     torch's ops (the fallbacks here, and the rotary embedding in transformers' rotate-half form,
     k and v written into the cache's next column), in fp32 and with bf16 inputs and outputs.
     Within 1e-5, a bf16 result within its rounding (one unit in its last place), and the pair
-    products' attention within ``attention_slack``."""
+    products' attention within ``attention_slack``; the sampler's draws those of the inverse CDF
+    of torch's softmax (``sampling_reference``)."""
     g = torch.Generator().manual_seed(0)
     if not (
-        _attention_agrees(lib, g) and all(_elementwise_agrees(lib, g, dtype) for dtype in _BF16)
+        _attention_agrees(lib, g)
+        and all(_elementwise_agrees(lib, g, dtype) for dtype in _BF16)
+        and _sampling_agrees(lib, g)
     ):
         return False
     x = torch.randn(3, 40, generator=g)
@@ -418,6 +459,28 @@ def _attention_agrees(lib, g: torch.Generator) -> bool:
         slack = attention_slack(lib, q, keys, values, mask, 0.3)[0]
         if got is None or _off_by(got, want[:, :, 0], slack):
             return _differs(f"the attention ({cache} cache) over a shared prefix differs")
+    return True
+
+
+def sampling_reference(logits, temps, u) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``sample_rows`` draws, in torch: the inverse CDF of softmax(logits / T) in
+    vocabulary order at the draws ``u`` (greedy where T is 0: the first largest logit), and the
+    log-softmax of the token drawn."""
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    cdf = torch.softmax(scaled, dim=-1).cumsum(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    tok = torch.where(greedy, logits.argmax(-1), tok.clamp(max=logits.shape[1] - 1))
+    return tok, torch.log_softmax(scaled, dim=-1).gather(1, tok[:, None])[:, 0]
+
+
+def _sampling_agrees(lib, g: torch.Generator) -> bool:
+    logits = 4 * torch.randn(5, 1003, generator=g)  # 1003: past the last whole block of 8
+    logits[1, ::3] = float("-inf")  # tokens ruled out
+    temps, u = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0]), torch.rand(5, generator=g)
+    got, want = sample_rows(lib, logits, temps, u), sampling_reference(logits, temps, u)
+    if got is None or not torch.equal(got[0], want[0]) or _off_by(got[1], want[1]):
+        return _differs("sample_rows draws otherwise than torch's inverse CDF")
     return True
 
 

@@ -600,3 +600,85 @@ void copy_spans(const long *src, const long *dst, const long *bytes, long n, int
       memset((void *)dst[i], 0, (size_t)bytes[i]);
   }
 }
+
+/* ---- sampling a decoding step's rows: inverse CDF in vocabulary order, one draw a row ---- */
+
+/* eight logits from x's j-th on, -inf past n */
+static inline v8 load_tail(const float *x, int j, int n) {
+  v8 r = splat(-INFINITY);
+  for (int k = 0; k < 8 && j + k < n; k++) r[k] = x[j + k];
+  return r;
+}
+
+/* the weights exp((x - top) * inv) of eight logits (0 for -inf) */
+static inline v8 weights(v8 x, float top, float inv) {
+  return pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive((x - splat(top)) * splat(inv)));
+}
+
+/* Row r of `logits` (fp32, rows `stride` apart, `vocab` each) at temperature temps[r] (0:
+ * greedy) with the uniform draw u[r] in [0, 1): tok[r], the first token whose cumulative weight
+ * exp((x - max) / T), summed in vocabulary order, passes u x the row's total (where rounding
+ * leaves none past it, the last token with weight), or greedy the first largest logit; and
+ * lp[r], its log-softmax (x - max) / T - log(total) (greedy: of the logits themselves). Rows
+ * are shared out among `threads`, each with its `scratch` of vocab + 8 floats (`vocab + 8`
+ * apart) for a row's weights, each weight computed once. */
+void sample_rows(const float *logits, long stride, int rows, int vocab, const float *temps,
+                 const float *u, long *tok, float *lp, float *scratch, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int r = 0; r < rows; r++) {
+    const float *x = logits + (long)r * stride;
+    float *w = scratch + (long)omp_get_thread_num() * (vocab + 8);
+    float t = temps[r], inv = t > 0 ? 1.f / t : 1.f;
+    v8 most = splat(-INFINITY);
+    for (int j = 0; j < vocab; j += 8) {
+      v8 a = j + 8 <= vocab ? load(x + j) : load_tail(x, j, vocab);
+      most = pick(a > most, a, most);
+    }
+    float top = most[0];
+    for (int k = 1; k < 8; k++) top = most[k] > top ? most[k] : top;
+    v8 sum = splat(0.f);
+    for (int j = 0; j < vocab; j += 8) {
+      v8 e = weights(j + 8 <= vocab ? load(x + j) : load_tail(x, j, vocab), top, inv);
+      store(w + j, e);
+      sum += e;
+    }
+    float all = total(sum);
+    long at = vocab - 1;
+    if (t <= 0) {
+      for (int j = 0; j < vocab; j++)
+        if (x[j] == top) {
+          at = j;
+          break;
+        }
+    } else {
+      float target = u[r] * all, cum = 0.f;
+      long last = -1; /* the last token with weight so far */
+      for (int j = 0; j < vocab; j += 8) {
+        v8 e = load(w + j);
+        float block = total(e);
+        if (block > 0.f) {
+          for (int k = 7; k >= 0; k--)
+            if (e[k] > 0.f) {
+              last = j + k;
+              break;
+            }
+        }
+        if (cum + block <= target) {
+          cum += block;
+          continue;
+        }
+        for (int k = 0; k < 8; k++) {
+          cum += e[k];
+          if (cum > target) {
+            at = j + k;
+            break;
+          }
+        }
+        if (cum > target) break;
+      }
+      if (!(cum > target) && last >= 0) at = last;
+    }
+    tok[r] = at;
+    lp[r] = (x[at] - top) * inv - logf(all);
+  }
+}
