@@ -55,8 +55,9 @@ MARGIN = 0.95
 # are mostly kept KV): on the AVX2 EPYC (2 cores) a fp32 round of SmolLM2-135M took 6.6 s.
 ROWS, PROMPT, DECODE, ROUNDS = 16, 128, 24, 2
 # the engine's paths in each dtype, counted: a verdict measured before they changed is measured
-# again (2: the lean decoding step covers bf16 models)
-ENGINE_PATHS = 2
+# again (2: the lean decoding step covers bf16 models; 3: a bf16 cache read by pair products on
+# a CPU with AVX-512 BF16, in decoding and prefill, and the compiled sampler)
+ENGINE_PATHS = 3
 # the shape fields of a model's config that its speed depends on
 SHAPE_FIELDS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
