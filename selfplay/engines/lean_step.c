@@ -174,17 +174,51 @@ struct attend_args {
   const void *kp, *vp; /* the shared prefix's keys and values: row 0's, P positions */
   int P;
   int per; /* query rows a cache row: row b's keys and values are cache row b / per */
+  int tasks; /* B x H */
 };
+
+/* Lines of the next task's own keys or values, a few at a time into the core's L2 while this
+ * task computes: a row's own positions come from memory (two cores read them at about 18 GB/s
+ * on the AVX-512 BF16 EPYC) in about the time the task's arithmetic takes, so the two overlap
+ * rather than follow each other. */
+struct span {
+  const char *at;
+  long lines;
+};
+
+INLINE void fetch_some(struct span *next, long count) {
+  for (long c = 0; c < count && next->lines > 0; c++, next->lines--, next->at += LINE)
+    __builtin_prefetch(next->at, 0, 2); /* into L2 */
+}
+
+/* task t's own positions from the first to the last, in `own` (the own keys' or values' base),
+ * `size` bytes an element */
+INLINE struct span own_span(int D, int size, const struct attend_args *a, int t, const void *own) {
+  struct span none = {0, 0};
+  if (t >= a->tasks) return none;
+  int b = t / a->H, h = t % a->H, first = -1, last = -1;
+  const int *rr = a->runs + (long)b * a->R * 2;
+  for (int r = 0; r < a->R; r++)
+    if (rr[2 * r + 1] > rr[2 * r]) {
+      first = first < 0 || rr[2 * r] < first ? rr[2 * r] : first;
+      last = rr[2 * r + 1] > last ? rr[2 * r + 1] : last;
+    }
+  if (first < 0) return none;
+  long at = (long)(b / a->per) * a->row_stride + h * a->head_stride + (long)first * D;
+  struct span next = {(const char *)own + at * size, ((long)(last - first) * D * size + LINE - 1) / LINE};
+  return next;
+}
 
 /* scores s[g * padded + i] of the G queries qt against the positions of runs rr, from the i-th
  * on: KB positions at once (GB queries' sums at a time, each reduced once), the rest one by one */
 INLINE void scores(int D, int is_bf16, const float *qt, const void *kb, const int *rr, int R,
-                   int G, float scale, float *s, int padded, int i) {
+                   int G, float scale, float *s, int padded, int i, struct span *next, long each) {
   const int C = D / 8;
   for (int r = 0; r < R; r++) {
     int l = rr[2 * r], end = rr[2 * r + 1];
     for (; l + KB <= end; l += KB, i += KB) {
       for (int j = 0; j < KB; j++) prefetch_kv(kb, (long)(l + AHEAD + j) * D, D, is_bf16);
+      fetch_some(next, each);
       for (int g0 = 0; g0 < G; g0 += GB) {
         v8 acc[GB][KB];
         for (int g = 0; g < GB; g++)
@@ -221,12 +255,13 @@ INLINE void scores(int D, int is_bf16, const float *qt, const void *kb, const in
 /* o[g] += s[g * padded + i] x value of the position the i-th score is of (from the i-th on, at
  * the positions of runs rr), KB positions at once */
 INLINE void values(int D, int is_bf16, const void *vb, const int *rr, int R, int G,
-                   const float *s, int padded, float *o, int i) {
+                   const float *s, int padded, float *o, int i, struct span *next, long each) {
   const int C = D / 8;
   for (int r = 0; r < R; r++) {
     int l = rr[2 * r], end = rr[2 * r + 1];
     for (; l + KB <= end; l += KB, i += KB) {
       for (int j = 0; j < KB; j++) prefetch_kv(vb, (long)(l + AHEAD + j) * D, D, is_bf16);
+      fetch_some(next, each);
       for (int c = 0; c < C; c++) {
         v8 vc[KB];
         for (int j = 0; j < KB; j++) vc[j] = load_kv(vb, (long)(l + j) * D + 8 * c, is_bf16);
@@ -272,8 +307,12 @@ INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) 
     return;
   }
   int padded = (width + 7) & ~7;
-  if (P) scores(D, is_bf16, qt, kp, prefix, 1, G, a->scale, s, padded, 0);
-  scores(D, is_bf16, qt, kb, rr, a->R, G, a->scale, s, padded, P);
+  /* the next task's keys and values fetched a few lines a block of four positions */
+  long blocks = (width + KB - 1) / KB;
+  struct span next = own_span(D, size, a, t + 1, a->k);
+  long each = (next.lines + blocks - 1) / blocks;
+  if (P) scores(D, is_bf16, qt, kp, prefix, 1, G, a->scale, s, padded, 0, &next, each);
+  scores(D, is_bf16, qt, kb, rr, a->R, G, a->scale, s, padded, P, &next, each);
   for (int g = 0; g < G; g++) {
     float *sg = s + g * padded;
     for (int j = width; j < padded; j++) sg[j] = -INFINITY;
@@ -295,8 +334,10 @@ INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) 
     for (int j = 0; j < width; j++) sg[j] *= inv;
     lse[g] = top + logf(all);
   }
-  if (P) values(D, is_bf16, vp, prefix, 1, G, s, padded, o, 0);
-  values(D, is_bf16, vb, rr, a->R, G, s, padded, o, P);
+  next = own_span(D, size, a, t + 1, a->v);
+  each = (next.lines + blocks - 1) / blocks;
+  if (P) values(D, is_bf16, vp, prefix, 1, G, s, padded, o, 0, &next, each);
+  values(D, is_bf16, vb, rr, a->R, G, s, padded, o, P, &next, each);
 }
 
 #ifdef __AVX512BF16__
@@ -332,9 +373,11 @@ INLINE int offsets(int D, const struct attend_args *a, const int *rr, int b, int
 }
 
 /* scores s[g * padded + i] of the G queries qt against the n positions off lists (read from k),
- * four positions at once, each score the sum of its query's hi and lo parts' products */
+ * four positions at once, each score the sum of its query's hi and lo parts' products; the
+ * next task's keys fetched along the way */
 INLINE void dp_scores(int D, const float *qt, const bf16 *k, const long *off, int n, int G,
-                      float scale, float *s, int padded) {
+                      float scale, float *s, int padded, struct span next) {
+  long each = (next.lines + (n + KB - 1) / KB - 1) / ((n + KB - 1) / KB);
   const int C = D / 32;
   pairs hi[MAX_GROUP][4], lo[MAX_GROUP][4];
   const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
@@ -348,6 +391,7 @@ INLINE void dp_scores(int D, const float *qt, const bf16 *k, const long *off, in
     }
   for (int i = 0; i < n; i += KB) {
     for (int j = 0; j < KB; j++) prefetch_kv(k, off[i + AHEAD + j], D, 1);
+    fetch_some(&next, each);
     for (int g0 = 0; g0 < G; g0 += GB) {
       __m512 acc[GB][KB];
       for (int g = 0; g < GB; g++)
@@ -374,9 +418,11 @@ INLINE void dp_scores(int D, const float *qt, const bf16 *k, const long *off, in
 
 /* o[g] = the probabilities p (bf16, [G][padded]) times the values of the n positions off lists
  * (read from v): two positions a pass, their value rows interleaved into pairs (within each
- * 128-bit lane, so that the sums land in a lane order undone at the end) */
+ * 128-bit lane, so that the sums land in a lane order undone at the end); the next task's
+ * values fetched along the way */
 INLINE void dp_values(int D, const bf16 *v, const long *off, int n, int G, const bf16 *p,
-                      int padded, float *o) {
+                      int padded, float *o, struct span next) {
+  long each = (next.lines + (n + 1) / 2 - 1) / ((n + 1) / 2);
   const int C = D / 32;
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
@@ -388,6 +434,7 @@ INLINE void dp_values(int D, const bf16 *v, const long *off, int n, int G, const
     for (int i = 0; i < n; i += 2) {
       prefetch_kv(v, off[i + AHEAD], D, 1);
       prefetch_kv(v, off[i + AHEAD + 1], D, 1);
+      fetch_some(&next, each);
       for (int c = 0; c < C; c++) {
         __m512i a = _mm512_loadu_si512(v + off[i] + 32 * c);
         __m512i b = _mm512_loadu_si512(v + off[i + 1] + 32 * c);
@@ -431,7 +478,7 @@ INLINE void attend_task_dp(int D, int t, const struct attend_args *a) {
   long *off = (long *)(s + 2 * G * padded);
   const bf16 *k = (const bf16 *)a->kp, *v = (const bf16 *)a->vp;
   int n = offsets(D, a, rr, b, h, off);
-  dp_scores(D, qt, k, off, n, G, a->scale, s, padded);
+  dp_scores(D, qt, k, off, n, G, a->scale, s, padded, own_span(D, 2, a, t + 1, a->k));
   for (int g = 0; g < G; g++) {
     float *sg = s + g * padded;
     for (int j = width; j < padded; j++) sg[j] = -INFINITY;
@@ -453,7 +500,7 @@ INLINE void attend_task_dp(int D, int t, const struct attend_args *a) {
     for (int j = 0; j < padded; j += 8) store_bf16(p + g * padded + j, load(sg + j) * splat(inv));
     lse[g] = top + logf(all);
   }
-  dp_values(D, v, off, n, G, p, padded, o);
+  dp_values(D, v, off, n, G, p, padded, o, own_span(D, 2, a, t + 1, a->v));
 }
 #endif
 
@@ -471,7 +518,7 @@ INLINE void attend_task_dp(int D, int t, const struct attend_args *a) {
     if (G < 1 || G > MAX_GROUP || per < 1) return 1;                                             \
     struct attend_args a = {q,     q_row_stride, k,       v,       runs,           R,            \
                             out,   lse,          H,       G,       row_stride,     head_stride,  \
-                            scale, scratch,      scratch_stride,   kp, vp, P, per};              \
+                            scale, scratch,      scratch_stride,   kp, vp, P, per, B * H};       \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
     for (int t = 0; t < B * H; t++) TASK(D, IS_BF16, t, &a);                                    \
     return 0;                                                                                    \
