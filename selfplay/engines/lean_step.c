@@ -44,6 +44,7 @@ typedef unsigned u32x8 __attribute__((vector_size(32)));
 #define MAX_ROTARY_DIM 256 /* rotary_cache's buffer of one rotated key (hf_native.MAX_ROTARY_DIM) */
 #define AHEAD 6 /* positions prefetched ahead */
 #define LINE 64 /* bytes a cache line */
+#define WRITE_AHEAD 4 /* rows whose cache lines rotary_cache fetches ahead */
 
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 static inline v8 load(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
@@ -618,9 +619,20 @@ void rotary_cache(const void *x, int x_bf16, float *q_out, long q_stride, const 
                   long column) {
   float k[MAX_ROTARY_DIM];
   if (dim > MAX_ROTARY_DIM) return; /* hf_native checks it first */
+  int size = cache_bf16 ? 2 : 4;
   for (int r = 0; r < rows; r++) {
     const float *c = cos + (long)r * dim, *s = sin + (long)r * dim;
     long row = r * stride;
+    /* the cache's lines a few rows on, fetched to be written (each row's are far apart, in
+     * memory the step has not touched yet) */
+    if (r + WRITE_AHEAD < rows)
+      for (int h = 0; h < kv_heads; h++) {
+        long ahead = ((r + WRITE_AHEAD) * row_stride + h * head_stride + column * dim) * size;
+        for (int i = 0; i < dim * size; i += LINE) {
+          __builtin_prefetch((char *)keys + ahead + i, 1, 3);
+          __builtin_prefetch((char *)values + ahead + i, 1, 3);
+        }
+      }
     for (int h = 0; h < heads; h++)
       turn(x, x_bf16, row + (long)h * dim, q_out + r * q_stride + (long)h * dim, c, s, dim);
     for (int h = 0; h < kv_heads; h++) {
