@@ -1039,6 +1039,46 @@ def _span_copies() -> list:
     return [None] if copy is None else [None, copy]
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(2, 9).flatmap(
+        lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), max_size=n - 1))
+    ),  # at least a row lives on (the engine drops a batch whose rows all finished)
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_every_layers_rows_move_into_holes_by_either_copy(batch, dtype):
+    """A batch's finished rows (holes) take the live rows past the kept ones, in every layer
+    (``hf_kv.move_rows``): by torch's indexed copies and by the span copy alike, the kept rows'
+    KV whole up to the layer's length, the room cut to the kept rows, decoding after it."""
+    from selfplay.engines.hf_kv import PreallocatedLayer, move_rows
+
+    rows, finished = batch
+    keep = [b for b in range(rows) if b not in finished]
+    n = len(keep)
+    holes = [b for b in range(n) if b in finished]
+    movers = [b for b in keep if b >= n]
+    kv = torch.randn(3, 2, rows, 2, 5, 4).to(dtype)  # [layers, k / v, rows, heads, tokens, dim]
+    want = kv[:, :, _order(n, holes, movers)]
+    for copy in _span_copies():
+        layers = [PreallocatedLayer(capacity=7) for _ in range(3)]
+        for layer, (k, v) in zip(layers, kv):
+            layer.update(k, v)
+        move_rows(layers, movers, holes, n, copy)
+        for layer, (k, v) in zip(layers, want):
+            assert layer.keys.shape == (n, 2, 5, 4)
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            layer.update(torch.ones(n, 2, 1, 4, dtype=dtype), torch.ones(n, 2, 1, 4, dtype=dtype))
+            assert torch.equal(layer.keys[:, :, :5], k) and (layer.keys[:, :, 5] == 1).all()
+
+
+def _order(n: int, holes: list[int], movers: list[int]) -> list[int]:
+    """Which old row each of the ``n`` kept positions holds after the movers fill the holes."""
+    order = list(range(n))
+    for hole, mover in zip(holes, movers):
+        order[hole] = mover
+    return order
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.booleans(), min_size=1, max_size=24).filter(any),

@@ -29,7 +29,7 @@ from selfplay.engines import (
 )
 from selfplay.engines.batching import Batcher, Reply
 from selfplay.engines.hf_cpu import MIN_CASCADE_PREFIX, SHARED_PREFIX, SharedPrefix
-from selfplay.engines.hf_kv import PreallocatedLayer, pad_left, row_kv
+from selfplay.engines.hf_kv import PreallocatedLayer, move_rows, pad_left, row_kv
 from selfplay.engines.hf_prefill import Prefill, common_prefix
 
 
@@ -225,9 +225,7 @@ class DecodeLoop(Prefill):
         order = list(range(n))
         for hole, mover in zip(holes, movers):
             order[hole] = mover
-        src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (movers, holes))
-        for layer in run.cache.layers:
-            layer.move_rows(src, dst, n)
+        move_rows(run.cache.layers, movers, holes, n, hf_native.span_copy())
         self._reorder(run, torch.tensor(order, dtype=torch.long, device=self.device))
         run.active = [run.active[b] for b in order]
 
