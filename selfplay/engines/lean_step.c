@@ -74,8 +74,13 @@ static inline bf16 to_bf16(float x) {
   return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* eight fp32 to bf16 as to_bf16 does each */
+/* eight fp32 to bf16 as to_bf16 does each (with AVX-512 BF16 one instruction, which also
+ * flushes values below bf16's normal range, under 1.2e-38, to zero) */
 static inline void store_bf16(bf16 *p, v8 x) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  __m128bh narrow = _mm256_cvtneps_pbh((__m256)x);
+  memcpy(p, &narrow, sizeof narrow);
+#else
   u32x8 u;
   memcpy(&u, &x, sizeof u);
   u32x8 nan = (u32x8)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
@@ -83,6 +88,7 @@ static inline void store_bf16(bf16 *p, v8 x) {
   u32x8 bits = (nan & ((u >> 16) | 0x40u)) | (~nan & up);
   u8x16 h = __builtin_convertvector(bits, u8x16);
   memcpy(p, &h, sizeof h);
+#endif
 }
 
 static inline float from_bf16(bf16 x) {
@@ -562,14 +568,28 @@ void add_rms_norm(float *h, const void *delta, int delta_bf16, const float *weig
   for (int r = 0; r < rows; r++) {
     float *x = h + r * stride;
     long at = r * stride;
-    float sum = 0.f;
-    for (int i = 0; i < hidden; i++) {
+    v8 squares = splat(0.f);
+    int i = 0;
+    for (; i + 8 <= hidden; i += 8) {
+      v8 a = delta ? load(x + i) + load_kv(delta, at + i, delta_bf16) : load(x + i);
+      store(x + i, a);
+      squares += a * a;
+    }
+    float sum = total(squares);
+    for (; i < hidden; i++) {
       float a = delta ? x[i] + get(delta, delta_bf16, at + i) : x[i];
       x[i] = a;
       sum += a * a;
     }
     float inv = 1.f / sqrtf(sum / hidden + eps);
-    for (int i = 0; i < hidden; i++) put(out, out_bf16, at + i, weight[i] * (x[i] * inv));
+    for (i = 0; i + 8 <= hidden; i += 8) {
+      v8 y = load(weight + i) * (load(x + i) * splat(inv));
+      if (out_bf16)
+        store_bf16((bf16 *)out + at + i, y);
+      else
+        store((float *)out + at + i, y);
+    }
+    for (; i < hidden; i++) put(out, out_bf16, at + i, weight[i] * (x[i] * inv));
   }
 }
 
@@ -583,8 +603,8 @@ void silu_mul(const void *x, void *out, int rows, int inter, int is_bf16) {
       v8 a = load_kv(x, g0 + i, is_bf16), u = load_kv(x, u0 + i, is_bf16);
       /* exp(-|a|) is exact for both signs: sigmoid(a) = 1 / (1 + e) or e / (1 + e) */
       v8 neg = pick(a > splat(0.f), -a, a);
-      v8 e = exp_nonpositive(neg);
-      v8 sig = pick(a > splat(0.f), splat(1.f) / (splat(1.f) + e), e / (splat(1.f) + e));
+      v8 e = exp_nonpositive(neg), inv = splat(1.f) / (splat(1.f) + e);
+      v8 sig = pick(a > splat(0.f), inv, e * inv);
       if (is_bf16)
         store_bf16((bf16 *)out + y0 + i, a * sig * u);
       else
@@ -605,8 +625,13 @@ void silu_mul(const void *x, void *out, int rows, int inter, int is_bf16) {
  * dim elements in) */
 static inline void turn(const void *x, int x_bf16, long from, float *y, const float *c,
                         const float *s, int dim) {
-  int half = dim / 2;
-  for (int i = 0; i < half; i++) {
+  int half = dim / 2, i = 0;
+  for (; i + 8 <= half; i += 8) {
+    v8 a = load_kv(x, from + i, x_bf16), b = load_kv(x, from + i + half, x_bf16);
+    store(y + i, a * load(c + i) - b * load(s + i));
+    store(y + i + half, b * load(c + i + half) + a * load(s + i + half));
+  }
+  for (; i < half; i++) {
     float a = get(x, x_bf16, from + i), b = get(x, x_bf16, from + i + half);
     y[i] = a * c[i] - b * s[i];
     y[i + half] = b * c[i + half] + a * s[i + half];
@@ -639,7 +664,18 @@ void rotary_cache(const void *x, int x_bf16, float *q_out, long q_stride, const 
       long at = r * row_stride + h * head_stride + column * dim;
       turn(x, x_bf16, row + (long)(heads + h) * dim, k, c, s, dim);
       long v = row + (long)(heads + kv_heads + h) * dim;
-      for (int i = 0; i < dim; i++) {
+      int i = 0;
+      for (; i + 8 <= dim; i += 8) {
+        v8 value = load_kv(x, v + i, x_bf16);
+        if (cache_bf16) {
+          store_bf16((bf16 *)keys + at + i, load(k + i));
+          store_bf16((bf16 *)values + at + i, value);
+        } else {
+          store((float *)keys + at + i, load(k + i));
+          store((float *)values + at + i, value);
+        }
+      }
+      for (; i < dim; i++) {
         put(keys, cache_bf16, at + i, k[i]);
         put(values, cache_bf16, at + i, get(x, x_bf16, v + i));
       }
