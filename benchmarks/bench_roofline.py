@@ -47,6 +47,11 @@ the mean widths of steps of that many rows, every layer its own KV): what the st
 at their own shapes take on this CPU, so its ratio says how much of the stage is the engine's
 and the model's glue (norms, rotary, sampling, Python) rather than kernels.
 
+Every reading runs on the engine thread (``selfplay.engines.batching.engine_thread``), where
+the engine runs its batches: torch work on a second thread would give the process a second
+OpenMP pool, and libgomp's idle threads then sleep between parallel regions (the stage about
+1.2x slower).
+
 Run: .venv/bin/python benchmarks/bench_roofline.py [--dtype fp32|bf16|both] [--threads N]
      [--tokens 512] [--repeats 10] [--stages] [--decode-attention cascade|grouped|sdpa]
 """
@@ -70,6 +75,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from selfplay.engines.batching import on_engine_thread
 from selfplay.hardware import cpu_flags, cpu_name, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,7 +306,9 @@ def run_stages(dtype: str, before: float, measure, gbs: float) -> Table:
     )  # fmt: skip
     after = measure()
     gflops = max(before, after)
-    gen, note, gen_limit, gen_alone, gen_kernels = generate_rates(st, engine, dtype, gflops, gbs)
+    gen, note, gen_limit, gen_alone, gen_kernels = on_engine_thread(
+        generate_rates, st, engine, dtype, gflops, gbs
+    )
     table = Table(
         title=f"measured stages, SmolLM2-135M, {dtype}, vs the {dtype} limit at {gflops:.1f} "
         f"GFLOP/s (matmul readings: {before:.1f} before the stages, {after:.1f} after)"
@@ -370,7 +378,7 @@ def main() -> None:
     attention = f"cascade over a shared prefix, else {attention}" if hf_cpu.CASCADE else attention
     from selfplay.engines import hf_native
 
-    if hf_native.NATIVE_ATTENTION and hf_native.kernel() is not None:
+    if hf_native.NATIVE_ATTENTION and on_engine_thread(hf_native.kernel) is not None:
         attention += "; in the lean step, each row's own columns by the compiled kernel (hf_native)"
     console.print(f"the engine's decoding attention: {attention}")
 
@@ -380,7 +388,7 @@ def main() -> None:
             for name, k, n, _ in SHAPES
         }
 
-    rates = {d: measure(d) for d in dtypes}
+    rates = {d: on_engine_thread(measure, d) for d in dtypes}
     effective = {d: effective_gflops(rates[d]) for d in dtypes}
 
     table = Table(title=f"matmul GFLOP/s, {args.tokens} tokens, {torch.get_num_threads()} threads")
@@ -406,11 +414,11 @@ def main() -> None:
         limits.add_row(stage, f"{factor}x forward", *cells)
     console.print(limits)
 
-    gbs = read_gbs()
+    gbs = on_engine_thread(read_gbs)
     console.print(f"memory read bandwidth: {gbs:.1f} GB/s (sum over a 1 GiB tensor)")
     if args.stages:
         dtype = resolve_dtype("auto", "cpu") if args.dtype == "both" else args.dtype
-        again = lambda: effective_gflops(measure(dtype))  # noqa: E731
+        again = lambda: effective_gflops(on_engine_thread(measure, dtype))  # noqa: E731
         console.print(run_stages(dtype, effective[dtype], again, gbs))
     else:
         console.print("stages not run (--stages); see also bench_sft.py / bench_train.py")

@@ -576,6 +576,41 @@ def test_hf_stop_tokens_are_kept_and_context_limit_is_a_request_error(hf):
         run(gather_close(engine, [GenerationRequest(ids, 8)]))
 
 
+def test_a_cpu_engine_runs_its_torch_work_on_one_thread(hf, monkeypatch):
+    """A CPU engine's start-up and every batch run on the process's engine thread (one OpenMP
+    pool: ``batching.engine_thread``), not on the caller's thread nor on whichever thread
+    asyncio's executor hands out; work sent there from the engine thread itself runs inline
+    (an engine built while another is, as the dtype measurement does), and an error comes back
+    to the caller."""
+    import threading
+
+    from selfplay.engines import batching
+    from selfplay.engines.hf import HFEngine
+
+    if hf.device.type != "cpu":
+        pytest.skip("a CPU engine's thread")
+    seen = []
+    setup, batch = HFEngine._setup, HFEngine._run_batch
+    monkeypatch.setattr(
+        HFEngine, "_setup", lambda *a: seen.append(threading.get_ident()) or setup(*a)
+    )
+    monkeypatch.setattr(
+        HFEngine, "_run_batch", lambda *a: seen.append(threading.get_ident()) or batch(*a)
+    )
+    engine = fresh(hf)
+    ids = [prompt(hf, t) for t in ("one", "two")]
+    for _ in range(2):  # two event loops, two batches: the same thread
+        run(gather_close(fresh(hf), [GenerationRequest(x, max_new_tokens=3) for x in ids]))
+    assert len(seen) >= 5 and len(set(seen)) == 1  # 3 start-ups, a batch or more a run
+    assert seen[0] == batching._engine_thread_id != threading.get_ident()
+    assert engine._batcher._executor is batching.engine_thread()
+    assert (
+        batching.on_engine_thread(lambda: batching.on_engine_thread(threading.get_ident)) == seen[0]
+    )
+    with pytest.raises(ZeroDivisionError):
+        batching.on_engine_thread(lambda: 1 / 0)
+
+
 def test_batcher_gathers_concurrent_requests_into_one_batch():
     engine = SyntheticEngine([5, 6, 7], latency_s=0.05)
     reqs = [GenerationRequest([1, 2], max_new_tokens=8, stop_token_ids=(7,)) for _ in range(50)]

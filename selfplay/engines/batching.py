@@ -11,11 +11,13 @@ may take requests that arrived since (``take_waiting``) into the batch it is run
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from selfplay.engines import EngineFailure, Generation, GenerationRequest
 
@@ -23,6 +25,46 @@ log = logging.getLogger(__name__)
 
 Reply = Callable[[Generation | BaseException], None]
 RunBatch = Callable[[list[GenerationRequest], list[Reply]], None]
+T = TypeVar("T")
+
+# The one thread that runs the CPU engines' torch work in this process (``engine_thread``).
+_engine_thread: concurrent.futures.ThreadPoolExecutor | None = None
+_engine_thread_id: int | None = None
+_engine_thread_lock = threading.Lock()
+
+
+def engine_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's engine thread: one worker that runs every CPU engine's torch work, from
+    loading the model to each batch.
+
+    torch's CPU kernels run on GNU OpenMP, which gives each thread that starts parallel work a
+    pool of its own. Two pools on a machine with as many cores as one pool has threads count as
+    oversubscribed, and libgomp then lets its idle threads spin only about a hundred times
+    before they sleep, so every parallel region (a product, a dtype conversion) wakes them from
+    the kernel: a 57 x 576 conversion to bf16 took 68 us on a worker thread whose process had a
+    pool on its main thread against 12 us on one pool, and a 64-game stage 30.0 / 31.2 s against
+    24.7 / 26.5 s on one thread (the AVX-512 BF16 EPYC, alternating). asyncio's default
+    executor runs each batch on whichever of its threads is free, each with a pool of its own."""
+    global _engine_thread
+    with _engine_thread_lock:
+        if _engine_thread is None:
+            _engine_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="selfplay-engine", initializer=_mark_engine_thread
+            )
+        return _engine_thread
+
+
+def _mark_engine_thread() -> None:
+    global _engine_thread_id
+    _engine_thread_id = threading.get_ident()
+
+
+def on_engine_thread(fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` on the engine thread (``engine_thread``), waited for; inline when called
+    there (an engine built while another one is being built, as the dtype measurement does)."""
+    if threading.get_ident() == _engine_thread_id:
+        return fn(*args)
+    return engine_thread().submit(fn, *args).result()
 
 
 @dataclass
@@ -32,10 +74,20 @@ class _Item:
 
 
 class Batcher:
-    """A queue plus one worker task; ``submit`` is what an engine's ``generate`` awaits."""
+    """A queue plus one worker task; ``submit`` is what an engine's ``generate`` awaits. Batches
+    run on ``executor`` (a CPU engine's: the engine thread, ``engine_thread``), else on asyncio's
+    default executor."""
 
-    def __init__(self, run_batch: RunBatch, *, max_batch_size: int, name: str = "engine") -> None:
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_batch_size: int,
+        name: str = "engine",
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
         self._run_batch = run_batch
+        self._executor = executor  # where batches run (None: asyncio's default executor)
         self._max = max_batch_size
         self._name = name
         self._pending: list[_Item] = []
@@ -116,7 +168,8 @@ class Batcher:
             self._running = list(batch)
             replies = [_replier(loop, it.future) for it in batch]
             try:
-                await asyncio.to_thread(self._run_batch, [it.request for it in batch], replies)
+                requests = [it.request for it in batch]
+                await loop.run_in_executor(self._executor, self._run_batch, requests, replies)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the engine itself broke: every waiting game must hear it

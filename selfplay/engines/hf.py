@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfplay.engines import KEEP_MODEL_ENV, Generation, GenerationRequest, HFEngineConfig
-from selfplay.engines.batching import Batcher
+from selfplay.engines.batching import Batcher, engine_thread, on_engine_thread
 from selfplay.engines.hf_cpu import (
     GROUPED_SDPA,
     WEIGHT_MAJOR_MAX_ROWS,
@@ -113,10 +113,20 @@ class HFEngine(DecodeLoop):
     """A Hugging Face causal LM behind the ``Engine`` protocol."""
 
     def __init__(self, config: HFEngineConfig, *, model=None, tokenizer=None) -> None:
-        self.config = config
-        self.name = config.model
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
+        # on a CPU every torch op of the engine runs on the process's engine thread (one OpenMP
+        # pool: batching.engine_thread), its loading and start-up checks too
+        cpu = self.device.type == "cpu"
+        self._executor = engine_thread() if cpu else None
+        if cpu:
+            on_engine_thread(self._setup, config, model, tokenizer)
+        else:
+            self._setup(config, model, tokenizer)
+
+    def _setup(self, config: HFEngineConfig, model, tokenizer) -> None:
+        self.config = config
+        self.name = config.model
         if self.device.type == "cpu":
             threads = config.cpu_threads or usable_cores()
             if torch.get_num_threads() != threads:
@@ -152,7 +162,10 @@ class HFEngine(DecodeLoop):
             0,
         )
         self._batcher = Batcher(
-            self._run_batch, max_batch_size=config.max_batch_size, name=f"hf engine {self.name}"
+            self._run_batch,
+            max_batch_size=config.max_batch_size,
+            name=f"hf engine {self.name}",
+            executor=self._executor,
         )
         self.generated_tokens = 0
         self.prefilled_tokens = 0  # prompt tokens fed through the model
