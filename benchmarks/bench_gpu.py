@@ -214,7 +214,10 @@ class Round:
         self.save(current=name)
         # the train stage over several updates profiles its second update alone (train())
         profiling = name in PROFILED and not (name == "train" and self.args.steps > 1)
-        prof = self.profiler() if profiling else None
+        # a CPU engine's torch work runs on the engine thread, which the profiler follows only
+        # when started there (engines.batching.engine_thread)
+        on_engine = name.startswith("generate") and self.device == "cpu"
+        prof = self.profiler(on_engine) if profiling else None
         self.profiler_s = 0.0  # the profiler's own start, stop and tables inside run(): untimed
         sync(self.device)
         t0 = time.perf_counter()
@@ -222,7 +225,7 @@ class Round:
         sync(self.device)
         seconds = time.perf_counter() - t0 - self.profiler_s
         if prof is not None:
-            self.stop_profile(prof, seconds, name)
+            self.stop_profile(prof, seconds, name, on_engine=on_engine)
             note += "; timed under the profiler"
         row = {"stage": name, "seconds": seconds, "tokens": tokens, "note": note}
         row["peak_gib"] = peak_memory_gib(self.device)
@@ -230,21 +233,30 @@ class Round:
         self.save(current=None)
         return value
 
-    def profiler(self):
-        """A started torch.profiler (CPU, and CUDA on cuda), or None without ``--profile``."""
+    def profiler(self, on_engine: bool = False):
+        """A started torch.profiler (CPU, and CUDA on cuda), or None without ``--profile``;
+        ``on_engine``: started on the engine thread, whose ops it then records."""
         if self.args.profile is None:
             return None
         from torch.profiler import ProfilerActivity, profile
 
+        from selfplay.engines.batching import on_engine_thread
+
         acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (self.device == "cuda")
         prof = profile(activities=acts)
-        prof.__enter__()
+        on_engine_thread(prof.__enter__) if on_engine else prof.__enter__()
         return prof
 
-    def stop_profile(self, prof, seconds: float, name: str, what: str = "stage") -> None:
-        """Stop ``prof`` and write its table for stage ``name`` (write_profile)."""
+    def stop_profile(
+        self, prof, seconds: float, name: str, what: str = "stage", on_engine: bool = False
+    ) -> None:
+        """Stop ``prof`` (on the engine thread where it started there) and write its table for
+        stage ``name`` (write_profile)."""
+        from selfplay.engines.batching import on_engine_thread
+
         sync(self.device)
-        prof.__exit__(None, None, None)
+        stop = lambda: prof.__exit__(None, None, None)  # noqa: E731
+        on_engine_thread(stop) if on_engine else stop()
         where = self.args.profile / f"profile_{self.args.size}_{name.split()[0]}.txt"
         write_profile(prof, seconds, where, what)
 
