@@ -293,6 +293,30 @@ INLINE void values(int D, int is_bf16, const void *vb, const int *rr, int R, int
   }
 }
 
+/* a query's scores sg[0, width) turned into exp(score - their max) in place, and zeros up to
+ * `padded` (a multiple of 8); their sum returned, their log-sum-exp in *lse (a row's softmax is
+ * these over the sum) */
+INLINE float exponentials(float *sg, int width, int padded, float *lse) {
+  for (int j = width; j < padded; j++) sg[j] = -INFINITY;
+  v8 most = splat(-INFINITY);
+  for (int j = 0; j < padded; j += 8) {
+    v8 x = load(sg + j);
+    most = pick(x > most, x, most);
+  }
+  float top = most[0];
+  for (int j = 1; j < 8; j++) top = most[j] > top ? most[j] : top;
+  v8 sum = splat(0.f);
+  for (int j = 0; j < padded; j += 8) {
+    v8 x = load(sg + j);
+    v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top)));
+    store(sg + j, e);
+    sum += e;
+  }
+  float all = total(sum);
+  *lse = top + logf(all);
+  return all;
+}
+
 /* one (row, KV head) task: the scores over the shared prefix and the row's own positions, their
  * softmax (and log-sum-exp), the values */
 INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) {
@@ -322,24 +346,8 @@ INLINE void attend_task(int D, int is_bf16, int t, const struct attend_args *a) 
   scores(D, is_bf16, qt, kb, rr, a->R, G, a->scale, s, padded, P, &next, each);
   for (int g = 0; g < G; g++) {
     float *sg = s + g * padded;
-    for (int j = width; j < padded; j++) sg[j] = -INFINITY;
-    v8 most = splat(-INFINITY);
-    for (int j = 0; j < padded; j += 8) {
-      v8 x = load(sg + j);
-      most = pick(x > most, x, most);
-    }
-    float top = most[0];
-    for (int j = 1; j < 8; j++) top = most[j] > top ? most[j] : top;
-    v8 sum = splat(0.f);
-    for (int j = 0; j < padded; j += 8) {
-      v8 x = load(sg + j);
-      v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top)));
-      store(sg + j, e);
-      sum += e;
-    }
-    float all = total(sum), inv = 1.f / all;
+    float inv = 1.f / exponentials(sg, width, padded, lse + g);
     for (int j = 0; j < width; j++) sg[j] *= inv;
-    lse[g] = top + logf(all);
   }
   next = own_span(D, size, a, t + 1, a->v);
   each = (next.lines + blocks - 1) / blocks;
@@ -488,24 +496,8 @@ INLINE void attend_task_dp(int D, int t, const struct attend_args *a) {
   dp_scores(D, qt, k, off, n, G, a->scale, s, padded, own_span(D, 2, a, t + 1, a->k));
   for (int g = 0; g < G; g++) {
     float *sg = s + g * padded;
-    for (int j = width; j < padded; j++) sg[j] = -INFINITY;
-    v8 most = splat(-INFINITY);
-    for (int j = 0; j < padded; j += 8) {
-      v8 x = load(sg + j);
-      most = pick(x > most, x, most);
-    }
-    float top = most[0];
-    for (int j = 1; j < 8; j++) top = most[j] > top ? most[j] : top;
-    v8 sum = splat(0.f);
-    for (int j = 0; j < padded; j += 8) {
-      v8 x = load(sg + j);
-      v8 e = pick(x == splat(-INFINITY), splat(0.f), exp_nonpositive(x - splat(top)));
-      store(sg + j, e);
-      sum += e;
-    }
-    float all = total(sum), inv = 1.f / all;
+    float inv = 1.f / exponentials(sg, width, padded, lse + g);
     for (int j = 0; j < padded; j += 8) store_bf16(p + g * padded + j, load(sg + j) * splat(inv));
-    lse[g] = top + logf(all);
   }
   dp_values(D, v, off, n, G, p, padded, o, own_span(D, 2, a, t + 1, a->v));
 }
