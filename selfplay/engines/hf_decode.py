@@ -179,7 +179,7 @@ class DecodeLoop(Prefill):
         u[live] = torch.stack([torch.rand((), generator=run.gens[run.active[b]]) for b in live])
         logits, u = run.logits.float(), u.to(self.device)
         got = None
-        lib = hf_native.kernel() if hf_native.NATIVE_SAMPLE else None
+        lib = hf_native.kernel() if hf_native.NATIVE_SAMPLE and self.device.type == "cpu" else None
         if lib is not None and not bool((run.top_p < 1).any()):
             got = hf_native.sample_rows(lib, logits, run.temps, u)
         tok, lp = got if got is not None else _sample(logits, run.temps, run.top_p, u)
