@@ -383,12 +383,13 @@ def main() -> None:
     console.print(f"the engine's decoding attention: {attention}")
 
     def measure(dtype: str) -> dict[str, float]:
-        return {
+        """The matmul rates at SHAPES, read on the engine thread (the module docstring)."""
+        return on_engine_thread(lambda: {
             name: matmul_gflops(args.tokens, k, n, DTYPES[dtype], args.warmup, args.repeats)
             for name, k, n, _ in SHAPES
-        }
+        })  # fmt: skip
 
-    rates = {d: on_engine_thread(measure, d) for d in dtypes}
+    rates = {d: measure(d) for d in dtypes}
     effective = {d: effective_gflops(rates[d]) for d in dtypes}
 
     table = Table(title=f"matmul GFLOP/s, {args.tokens} tokens, {torch.get_num_threads()} threads")
@@ -418,7 +419,7 @@ def main() -> None:
     console.print(f"memory read bandwidth: {gbs:.1f} GB/s (sum over a 1 GiB tensor)")
     if args.stages:
         dtype = resolve_dtype("auto", "cpu") if args.dtype == "both" else args.dtype
-        again = lambda: effective_gflops(on_engine_thread(measure, dtype))  # noqa: E731
+        again = lambda: effective_gflops(measure(dtype))  # noqa: E731
         console.print(run_stages(dtype, effective[dtype], again, gbs))
     else:
         console.print("stages not run (--stages); see also bench_sft.py / bench_train.py")
